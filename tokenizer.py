@@ -1,0 +1,225 @@
+"""
+tokenizer.py -- byte-level BPE through tiktoken.
+
+The lesson: text enters the model as integers. A byte-level BPE tokenizer
+  1. splits the text into "words" with a regex (the pre-tokenizer), so that
+     merges never cross word, digit or whitespace boundaries;
+  2. turns each word into its UTF-8 bytes, one token per byte;
+  3. repeatedly merges the adjacent pair whose merged bytes have the lowest
+     rank (the order the merges were learned in) until no merge applies.
+Decoding is just concatenating each token's bytes and decoding UTF-8.
+
+Place in the data flow: `encode` turns a prompt into the token ids a
+`Sequence` starts from; `IncrementalDecoder` turns the ids the engine
+samples back into text as they arrive (streaming) without ever emitting
+half a UTF-8 character; `apply_chat_template` wraps chat messages into the
+prompt format the instruct model was trained on.
+
+tiktoken does steps 1-3 in Rust; we only hand it the vocabulary (bytes ->
+rank) and the regex, both read from a Hugging Face `tokenizer.json`. This
+file imports nothing else of nanoinfer.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import re
+
+import regex  # tiktoken's own dependency: \p{L} classes for the slow path
+import tiktoken
+
+# GPT-2's pre-tokenizer regex: contractions, words with an optional leading
+# space, numbers, punctuation runs, and whitespace (a run keeps its last
+# space for the next word: "  hi" -> " ", " hi").
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# SmolLM2 splits every digit on its own BEFORE the GPT-2 regex. Folded into
+# one regex: a single \p{N} comes first, and since digits are already cut
+# out, a whitespace run before a digit keeps all its spaces.
+DIGITS_THEN_GPT2_PATTERN = (r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"
+                            r"|\s+(?![^\s\p{N}])|\s+")
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level vocabularies write each byte as a printable character
+    (GPT-2's bytes_to_unicode: a space is 'Ġ', a newline 'Ċ'). This inverts it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + i): b for i, b in enumerate(others)})   # the rest shift to U+0100...
+    return table
+
+
+def _pattern_from(pre_tokenizer: dict | None) -> str:
+    """Translate the Hugging Face pre-tokenizer description into one regex."""
+    steps = pre_tokenizer.get("pretokenizers", [pre_tokenizer]) if pre_tokenizer else []
+    kinds = [s["type"] for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return GPT2_PATTERN
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return DIGITS_THEN_GPT2_PATTERN
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        return steps[0]["pattern"]["Regex"]   # e.g. Llama 3 ships its regex explicitly
+    raise ValueError(f"unsupported pre-tokenizer {kinds}: expected byte-level BPE")
+
+
+class Tokenizer:
+    """encode / decode / chat template over a tiktoken.Encoding."""
+
+    def __init__(self, vocab: dict[str, int], specials: dict[str, int], pattern: str,
+                 eos_token: str | None = None, bos_token: str | None = None,
+                 chat_template: str | None = None):
+        u2b = _unicode_to_byte()
+        ranks = {bytes(u2b[ch] for ch in tok): i for tok, i in vocab.items() if tok not in specials}
+        # tiktoken merges the pair whose concatenation has the lowest rank, so
+        # rank must follow the order the merges were learned in. Hugging Face
+        # byte-level vocabularies assign ids in that order, so rank = id.
+        self.vocab_size = max([*vocab.values(), *specials.values()]) + 1
+        self.ranks, self.pattern = ranks, pattern
+        self.enc = tiktoken.Encoding("nanoinfer", pat_str=pattern, mergeable_ranks=ranks,
+                                     special_tokens=specials)
+        # Some byte values have no token at all (SmolLM2 lacks 21 of them, e.g.
+        # 0x04 and the UTF-8 lead byte 0xF1). tiktoken panics on those, so text
+        # containing one takes the slow path in encode(), which drops the byte
+        # before merging, as the reference tokenizer does.
+        self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
+        self.specials = specials
+        self.id_to_special = {i: s for s, i in specials.items()}
+        self.eos_token_id = vocab.get(eos_token, specials.get(eos_token)) if eos_token else None
+        self.bos_token_id = vocab.get(bos_token, specials.get(bos_token)) if bos_token else None
+        # ChatML's default system prompt, read from the checkpoint's own jinja template.
+        self.chat_template = chat_template
+        m = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", chat_template or "", re.S)
+        self.default_system_prompt = m.group(1) if m else None
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "Tokenizer":
+        """Read tokenizer.json (+ tokenizer_config.json) from a checkpoint directory."""
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        with open(tj, encoding="utf-8") as f:
+            data = json.load(f)
+        model = data.get("model", {})
+        if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+            raise ValueError(f"{tj}: only byte-level BPE tokenizers are supported, got {model.get('type')!r}")
+        specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
+        cfg = {}
+        cfg_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg_file):
+            with open(cfg_file, encoding="utf-8") as f:
+                cfg = json.load(f)
+
+        def name(t):   # tokenizer_config stores a token as a string or as {"content": ...}
+            return t.get("content") if isinstance(t, dict) else t
+        return cls(model["vocab"], specials, _pattern_from(data.get("pre_tokenizer")),
+                   eos_token=name(cfg.get("eos_token")), bos_token=name(cfg.get("bos_token")),
+                   chat_template=cfg.get("chat_template"))
+
+    # -- encode / decode ------------------------------------------------------
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Text -> token ids. Special-token strings in `text` ("<|im_end|>") are
+        plain text unless allow_special=True: a user must not be able to
+        inject control tokens into someone else's template."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        utf8 = text.encode("utf-8", errors="surrogatepass")
+        if len(utf8.translate(None, self.missing_bytes)) == len(utf8):   # the usual case: all in Rust
+            return self.enc.encode(text, allowed_special="all" if allow_special else set(),
+                                   disallowed_special=())
+        # Slow path, same three steps in Python: split off special tokens,
+        # regex-split into pieces, drop unrepresentable bytes, merge with BPE.
+        ids = []
+        specials = "|".join(map(re.escape, self.specials)) if allow_special and self.specials else None
+        for i, chunk in enumerate(re.split(f"({specials})", text) if specials else [text]):
+            if i % 2:                                  # a captured special token
+                ids.append(self.specials[chunk])
+                continue
+            for piece in regex.findall(self.pattern, chunk):
+                ids += self._bpe(piece.encode("utf-8", errors="surrogatepass").translate(None, self.missing_bytes))
+        return ids
+
+    def _bpe(self, piece: bytes) -> list[int]:
+        """The BPE merge loop on one piece: start from single bytes and keep
+        merging the adjacent pair whose concatenation has the lowest rank."""
+        parts = [piece[i:i + 1] for i in range(len(piece))]
+        while len(parts) > 1:
+            pairs = [(self.ranks.get(a + b), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            pairs = [p for p in pairs if p[0] is not None]
+            if not pairs:
+                break
+            _, i = min(pairs)
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return [self.ranks[p] for p in parts]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.enc.decode_single_token_bytes(token_id)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Token ids -> text. Bytes that are not valid UTF-8 become U+FFFD."""
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.id_to_special]
+        return self.enc.decode_bytes(list(ids)).decode("utf-8", errors="replace")
+
+    # -- chat -----------------------------------------------------------------
+
+    def _chat_parts(self, messages, add_generation_prompt):
+        """ChatML as (text, is_special) pieces:
+        <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n"""
+        if self.default_system_prompt is None and "<|im_start|>" not in (self.chat_template or ""):
+            raise ValueError("this checkpoint's chat template is not ChatML; only ChatML is implemented")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
+        if messages[0]["role"] != "system" and self.default_system_prompt is not None:
+            messages = [{"role": "system", "content": self.default_system_prompt}] + messages
+        parts = []
+        for m in messages:
+            parts += [("<|im_start|>", True), (m["role"] + "\n" + m["content"], False),
+                      ("<|im_end|>", True), ("\n", False)]
+        if add_generation_prompt:
+            parts += [("<|im_start|>", True), ("assistant\n", False)]
+        return parts
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False):
+        """Messages -> prompt string (or token ids with tokenize=True).
+
+        The string form must be encoded with allow_special=True. The token
+        form encodes each message's content as plain text, so special-token
+        strings inside a message cannot act as control tokens.
+        """
+        parts = self._chat_parts(messages, add_generation_prompt)
+        if not tokenize:
+            return "".join(text for text, _ in parts)
+        ids = []
+        for text, special in parts:
+            ids += [self.specials[text]] if special else self.encode(text)
+        return ids
+
+
+class IncrementalDecoder:
+    """Streaming detokenization: feed token ids one by one, get the new text.
+
+    A token may end in the middle of a multi-byte UTF-8 character (emoji are
+    often split over 2-4 byte tokens). Python's incremental UTF-8 decoder
+    holds back an incomplete tail until the next bytes complete it, so the
+    concatenation of everything returned equals decode(all ids).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        if self.skip and token_id in self.tok.id_to_special:
+            return ""
+        return self.utf8.decode(self.tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """End of stream: an incomplete trailing character becomes U+FFFD."""
+        return self.utf8.decode(b"", final=True)
