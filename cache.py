@@ -1,0 +1,349 @@
+"""
+cache.py -- the KV cache as virtual memory (PagedAttention).
+
+The lesson: during decoding, every new token attends to the keys and values
+of all earlier tokens. Recomputing them each step costs O(T^2); caching
+them makes each step O(T) but turns the cache into THE state of inference:
+
+    KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes_per_value
+
+For SmolLM2-135M in float32 that is 2 * 30 * 3 * 64 * 4 = 46,080 bytes, so
+a 2048-token sequence holds 94 MB of cache: the cache, not the 540 MB of
+weights, limits how many sequences fit at once.
+
+Storing each sequence's cache as one contiguous [max_len, ...] buffer wastes
+memory on lengths nobody reaches (fragmentation). PagedAttention stores it
+in fixed-size blocks (pages) of `block_size` tokens, anywhere in one big
+pool, with a per-sequence block table mapping logical block i -> physical
+block id, exactly like an OS page table. That gives:
+  * no fragmentation: at most one partly filled block per sequence;
+  * prefix sharing: sequences starting with the same tokens point at the
+    same physical blocks (prefix caching), found by hashing full blocks;
+  * cheap forks: n samples of one prompt share its blocks and copy a block
+    only when one of them first writes into a shared one (copy-on-write).
+
+Place in the data flow (one engine step, scheduler.py):
+    BlockManager.append_slots -> slot of every new token, block tables
+    AttentionContext(...)      -> handed to Transformer.forward as `ctx`
+    model layer l: ctx.attend(l, q, k, v)
+        1. KVCache.write: k, v of the N new tokens into their slots
+        2. paged_attention: every query attends to its own sequence's
+           cached tokens at positions <= its own
+This one paged attention serves prefill (with or without a cached prefix),
+chunked prefill, decode (1 query token) and draft verification (k+1).
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+# ----------------------------------------------------------------------------
+# Memory accounting: the lecture's formula, used to size the pool
+# ----------------------------------------------------------------------------
+
+
+def kv_cache_bytes(cfg, dtype, num_tokens: int = 1) -> int:
+    """2 * layers * kv_heads * head_dim * bytes_per_value * tokens."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8 * num_tokens
+
+
+def num_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: int) -> int:
+    """How many blocks of `block_size` tokens fit in `budget_bytes`."""
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    return int(budget_bytes // (bytes_per_token * block_size))
+
+
+# ----------------------------------------------------------------------------
+# KVCache: the storage
+# ----------------------------------------------------------------------------
+
+class KVCache:
+    """K and V of every layer: [layers, num_blocks, block_size, n_kv_heads, head_dim].
+
+    A token's slot is block_id * block_size + offset; viewing a layer's
+    [num_blocks, block_size, ...] tensor as [num_blocks * block_size, ...]
+    makes the slot a plain row index.
+    """
+
+    def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget is too small for a single block")
+        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.bytes_per_token = kv_cache_bytes(cfg, dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes actually allocated (tests check it against the formula)."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def write(self, layer: int, slots, k, v):
+        """Store the new tokens' k, v [N, n_kv, d] at their slots [N]."""
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, block_ids, num_tokens: int):
+        """K, V of one sequence's first num_tokens tokens: [num_tokens, n_kv, d]."""
+        k = self.k[layer][block_ids].flatten(0, 1)[:num_tokens]   # [n_blocks * bs, n_kv, d]
+        v = self.v[layer][block_ids].flatten(0, 1)[:num_tokens]
+        return k, v
+
+    def copy_block(self, src: int, dst: int):
+        """Copy-on-write: duplicate a physical block in every layer."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+
+# ----------------------------------------------------------------------------
+# Reference paged attention
+# ----------------------------------------------------------------------------
+
+def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query_lens):
+    """Attention of each sequence's new queries over its own paged KV.
+
+    q: [N, H, d], the queries of B sequences laid end to end; sequence b owns
+    query_lens[b] of them, the LAST query_lens[b] of its seq_lens[b] tokens
+    (the cache already holds all seq_lens[b]: k, v were written first).
+    Query i of b sits at position p = seq_lens[b] - query_lens[b] + i and may
+    see cached positions 0..p. Written as a loop over sequences for clarity;
+    kernels.py has the vectorized decode version tested against this one.
+    """
+    N, H, d = q.shape
+    n_kv = cache.k.shape[-2]
+    out = torch.empty_like(q)
+    start = 0
+    for b, (seq_len, n_q) in enumerate(zip(seq_lens, query_lens)):
+        n_blocks = math.ceil(seq_len / cache.block_size)
+        k, v = cache.gather(layer, block_tables[b, :n_blocks], seq_len)     # [T, n_kv, d]
+        qg = q[start:start + n_q].view(n_q, n_kv, H // n_kv, d)              # [n_q, n_kv, G, d]
+        scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float()) / math.sqrt(d)  # [n_kv, G, n_q, T]
+        q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]    # [n_q, T]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v.float())                 # [n_q, n_kv, G, d]
+        out[start:start + n_q] = o.reshape(n_q, H, d).to(q.dtype)
+        start += n_q
+    return out
+
+
+@dataclass
+class AttentionContext:
+    """Everything attention needs for one engine step; built by the engine.
+
+    slot_mapping[N]      where each new token's k, v go
+    block_tables[B, M]   physical block ids per sequence (padded)
+    seq_lens[B]          tokens in cache per sequence after this step
+    query_lens[B]        new tokens per sequence in this step
+    logits_indices[R]    rows of the flat batch that need logits (or None: all)
+    seq_lens and query_lens are Python lists: the reference loop reads them
+    on the host without a device sync.
+    """
+    cache: KVCache
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: list
+    query_lens: list
+    logits_indices: torch.Tensor | None = None
+
+    def attend(self, layer: int, q, k, v):
+        self.cache.write(layer, self.slot_mapping, k, v)   # write first: a token sees itself
+        return paged_attention(q, self.cache, layer, self.block_tables, self.seq_lens, self.query_lens)
+
+
+# ----------------------------------------------------------------------------
+# BlockManager: the page table, free list, prefix cache and copy-on-write
+# ----------------------------------------------------------------------------
+
+class BlockManager:
+    """Hands out physical blocks to sequences; knows nothing of tensors.
+
+    State:
+      ref_count[b]     how many sequences use block b (0 = free)
+      free_blocks      free blocks in least-recently-used order; a free block
+                       may still hold a cached prefix until it is reused
+      tables[seq]      the sequence's block table (logical -> physical)
+      cached[key]      prefix cache: key of a full block -> physical block
+    A full block's key is hash((parent block's key, its block_size token
+    ids)): chaining makes the key name the whole prefix, not just the
+    block. Hash collisions are guarded by also comparing the stored tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if num_blocks < 1:
+            raise ValueError("the KV cache has no blocks")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.tables: dict[int, list[int]] = {}
+        self.block_key: dict[int, tuple] = {}        # block -> (hash, parent hash, tokens)
+        self.cached: dict[int, int] = {}             # hash -> block
+        self.pending_copies: list[tuple[int, int]] = []   # (src, dst) copy-on-write for the engine
+        self.prefix_hits = self.prefix_queries = 0   # in blocks, for the hit rate
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    # -- low level: take and release physical blocks ----------------------------
+
+    def _take_free(self) -> int:
+        """Pop the least recently used free block; forget any prefix it held."""
+        if not self.free_blocks:
+            raise RuntimeError("KV cache out of blocks (the scheduler should have checked)")
+        block, _ = self.free_blocks.popitem(last=False)
+        self._forget(block)                         # evicted from the prefix cache
+        self.ref_count[block] = 1
+        return block
+
+    def _release(self, block: int):
+        self.ref_count[block] -= 1
+        assert self.ref_count[block] >= 0, f"block {block} freed more often than taken"
+        if self.ref_count[block] == 0:
+            self.free_blocks[block] = None          # most recently used end: evicted last
+
+    def _key(self, parent_hash, tokens) -> int:
+        return hash((parent_hash, tuple(tokens)))
+
+    # -- per sequence --------------------------------------------------------------
+
+    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
+        """Start a block table for a new (or re-admitted) sequence.
+
+        Reuses every leading FULL block already in the prefix cache and returns
+        how many tokens are thereby already computed. At least the last token
+        is always left to compute: the engine needs its logits to sample.
+        """
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        table = []
+        if self.enable_prefix_caching:
+            bs, parent = self.block_size, None
+            for i in range((len(token_ids) - 1) // bs):
+                tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+                h = self._key(parent, tokens)
+                block = self.cached.get(h)
+                self.prefix_queries += 1
+                if block is None or self.block_key[block][1:] != (parent, tokens):
+                    break                            # miss (or a hash collision)
+                if self.ref_count[block] == 0:
+                    del self.free_blocks[block]      # revive a cached free block
+                self.ref_count[block] += 1
+                table.append(block)
+                self.prefix_hits += 1
+                parent = h
+        self.tables[seq_id] = table
+        return len(table) * self.block_size
+
+    def blocks_needed(self, seq_id: int, start: int, count: int) -> int:
+        """Free blocks the sequence needs to write tokens at positions
+        [start, start + count): new blocks at the end of its table, plus a
+        private copy of every shared block those positions fall in."""
+        table, bs = self.tables[seq_id], self.block_size
+        end_block = math.ceil((start + count) / bs)
+        shared = sum(self.ref_count[table[i]] > 1 for i in range(start // bs, min(len(table), end_block)))
+        return max(0, end_block - len(table)) + shared
+
+    def can_append(self, seq_id: int, start: int, count: int) -> bool:
+        """Can the sequence get slots for [start, start + count) right now?"""
+        return self.blocks_needed(seq_id, start, count) <= len(self.free_blocks)
+
+    def append_slots(self, seq_id: int, start: int, count: int) -> list[int]:
+        """Make room for tokens at positions [start, start + count) and return their slots.
+
+        Allocates new blocks at the end of the table, and if the block the first
+        new token lands in is shared with another sequence (after a fork),
+        gives this sequence a private copy first (copy-on-write; the engine
+        copies the data via pending_copies before the forward pass).
+        """
+        table = self.tables[seq_id]
+        bs = self.block_size
+        if not self.can_append(seq_id, start, count):
+            raise RuntimeError(f"sequence {seq_id}: the KV pool has no free blocks for {count} more "
+                               f"tokens ({len(self.free_blocks)} free of {self.num_blocks})")
+        first = start // bs
+        for i in range(first, min(len(table), math.ceil((start + count) / bs))):
+            if self.ref_count[table[i]] > 1:         # shared block about to be written
+                new = self._take_free()
+                self.pending_copies.append((table[i], new))
+                self._release(table[i])
+                table[i] = new
+        while len(table) * bs < start + count:
+            table.append(self._take_free())
+        return [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int):
+        """After a step: register the sequence's blocks that are now full and
+        computed in the prefix cache, so later sequences can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        table, bs, parent = self.tables[seq_id], self.block_size, None
+        for i in range(num_computed // bs):
+            block = table[i]
+            key = self.block_key.get(block)
+            if key is None:
+                tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+                h = self._key(parent, tokens)
+                self.block_key[block] = (h, parent, tokens)
+                self.cached.setdefault(h, block)     # first copy wins; duplicates stay private
+                key = self.block_key[block]
+            parent = key[0]
+
+    def fork(self, parent_id: int, child_id: int):
+        """The child shares every block of the parent; nothing is copied now."""
+        if child_id in self.tables:
+            raise ValueError(f"sequence {child_id} already has blocks")
+        self.tables[child_id] = list(self.tables[parent_id])
+        for b in self.tables[child_id]:
+            self.ref_count[b] += 1
+
+    def truncate(self, seq_id: int, num_tokens: int):
+        """Keep only the blocks holding the first num_tokens tokens (speculative
+        rollback: rejected draft positions give their trailing blocks back)."""
+        table = self.tables[seq_id]
+        keep = math.ceil(num_tokens / self.block_size)
+        for block in reversed(table[keep:]):
+            self._forget(block)                     # it held rejected drafts: not a valid prefix
+            self._release(block)
+        del table[keep:]
+        if num_tokens % self.block_size and table and self.ref_count[table[-1]] == 1:
+            self._forget(table[-1])                 # now only partly valid: no longer a full block
+
+    def _forget(self, block: int):
+        """Drop a block from the prefix cache (it is being reused or rewritten)."""
+        key = self.block_key.pop(block, None)
+        if key is not None and self.cached.get(key[0]) == block:
+            del self.cached[key[0]]
+
+    def free(self, seq_id: int):
+        """Give back all of a sequence's blocks (they stay cached if full)."""
+        if seq_id not in self.tables:
+            raise ValueError(f"sequence {seq_id} has no blocks (freed twice?)")
+        # Tail first, so the free list evicts a sequence's last blocks before its
+        # first ones (a later request is likelier to share the start of a prompt).
+        for block in reversed(self.tables.pop(seq_id)):
+            self._release(block)
+
+    def check_invariants(self):
+        """Consistency of the bookkeeping; tests call this after every operation."""
+        counts = [0] * self.num_blocks
+        for table in self.tables.values():
+            for b in table:
+                counts[b] += 1
+        assert counts == self.ref_count, "reference counts disagree with the block tables"
+        assert all(c >= 0 for c in self.ref_count)
+        assert set(self.free_blocks) == {b for b in range(self.num_blocks) if self.ref_count[b] == 0}
+        for h, b in self.cached.items():
+            assert self.block_key[b][0] == h

@@ -1,0 +1,304 @@
+"""Assignment: cache.py -- the paged KV cache.
+
+To pass, implement:
+  * kv_cache_bytes: 2 * layers * kv_heads * head_dim * bytes per token, and a
+    KVCache whose real allocation matches it;
+  * paged_attention / AttentionContext.attend: write the new k, v into their
+    slots, then let each query attend to its own sequence's cached tokens at
+    positions <= its own. It must equal dense causal attention (PyTorch's
+    SDPA) for every block size, ragged batch, cached prefix and query length;
+  * BlockManager: free list, reference counts, block tables, slot mapping,
+    prefix caching with chained hashes and LRU eviction, copy-on-write forks,
+    truncation; loud errors on misuse.
+"""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_config
+
+from cache import AttentionContext, BlockManager, KVCache, kv_cache_bytes, num_blocks_for_budget
+
+
+# ------------------------------------------------------------ memory accounting
+
+def test_bytes_per_token_formula_and_real_allocation():
+    cfg = tiny_config(n_layers=3, n_kv_heads=2, head_dim=16)
+    assert kv_cache_bytes(cfg, torch.float32) == 2 * 3 * 2 * 16 * 4
+    assert kv_cache_bytes(cfg, torch.bfloat16, num_tokens=10) == 2 * 3 * 2 * 16 * 2 * 10
+    cache = KVCache(cfg, num_blocks=7, block_size=16, device="cpu", dtype=torch.float32)
+    assert cache.total_bytes == kv_cache_bytes(cfg, torch.float32, 7 * 16)
+    budget = 10_000
+    n = num_blocks_for_budget(kv_cache_bytes(cfg, torch.float32), 16, budget)
+    assert n * 16 * kv_cache_bytes(cfg, torch.float32) <= budget < (n + 1) * 16 * kv_cache_bytes(cfg, torch.float32)
+
+
+def test_smollm2_kv_bytes(real_model):
+    # the lecture's example: 2 * 30 layers * 3 kv heads * 64 dims * 4 bytes
+    assert kv_cache_bytes(real_model.config, torch.float32) == 46080
+
+
+# --------------------------------------------------- paged attention vs SDPA
+
+def sdpa_reference(q, k, v):
+    """Dense causal attention over a whole sequence, K/V heads repeated per group."""
+    G = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(G, 1).transpose(0, 1),
+                                         v.repeat_interleave(G, 1).transpose(0, 1), is_causal=True)
+    return out.transpose(0, 1)
+
+
+def paged_step(seqs, block_size, n_heads, n_kv, d=8, seed=0):
+    """seqs: list of (cached_len, query_len). Fill the cache with the first
+    cached_len tokens of each sequence at randomly placed physical blocks,
+    then run one attention step over the query tokens of all sequences."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = tiny_config(n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d)
+    total_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
+    cache = KVCache(cfg, total_blocks, block_size, "cpu", torch.float32)
+    bm = BlockManager(total_blocks, block_size, enable_prefix_caching=False)
+    bm.free_blocks = type(bm.free_blocks).fromkeys(torch.randperm(total_blocks, generator=g).tolist())  # scatter blocks
+    full = []
+    qs, ks, vs, slots = [], [], [], []
+    for i, (cached, n_q) in enumerate(seqs):
+        T = cached + n_q
+        q, k, v = (torch.randn(T, h, d, generator=g) for h in (n_heads, n_kv, n_kv))
+        full.append(sdpa_reference(q, k, v)[cached:])
+        bm.allocate(i, list(range(T)))
+        if cached:
+            old = torch.tensor(bm.append_slots(i, 0, cached))
+            cache.write(0, old, k[:cached], v[:cached])
+        slots += bm.append_slots(i, cached, n_q)
+        qs.append(q[cached:]), ks.append(k[cached:]), vs.append(v[cached:])
+    width = max(len(t) for t in bm.tables.values())
+    tables = torch.tensor([bm.tables[i] + [0] * (width - len(bm.tables[i])) for i in range(len(seqs))])
+    ctx = AttentionContext(cache, torch.tensor(slots), tables, [c + n for c, n in seqs], [n for _, n in seqs])
+    out = ctx.attend(0, torch.cat(qs), torch.cat(ks), torch.cat(vs))
+    return out, torch.cat(full)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("n_heads,n_kv", [(4, 4), (6, 2), (8, 2)])   # GQA groups 1, 3, 4
+def test_paged_attention_equals_sdpa(block_size, n_heads, n_kv):
+    seqs = [(0, 37),            # whole prompt, no prefix
+            (16, 1),            # decode after a prefix ending on a block boundary
+            (21, 1),            # decode after a prefix ending mid-block
+            (32, 5),            # k+1 = 5 verification tokens after a boundary
+            (45, 5),            # ... and mid-block
+            (7, 30),            # a prefill chunk after a cached prefix
+            (0, 1)]             # a one-token prompt
+    out, ref = paged_step(seqs, block_size, n_heads, n_kv)
+    assert torch.allclose(out, ref, atol=1e-5), f"max err {(out - ref).abs().max():.2e}"
+
+
+def test_paged_attention_random_ragged_batches():
+    rng = random.Random(0)
+    for trial in range(20):
+        seqs = [(rng.randint(0, 60), rng.randint(1, 20)) for _ in range(rng.randint(1, 6))]
+        out, ref = paged_step(seqs, rng.choice([1, 2, 16, 32]), 6, rng.choice([1, 2, 3, 6]), seed=trial)
+        assert torch.allclose(out, ref, atol=1e-5), f"trial {trial} {seqs}"
+
+
+# ------------------------------------------- the real model through the cache
+
+def run_chunks(model, chunks, ids, block_size=16):
+    """Feed one sequence through the paged cache chunk by chunk; return all logits."""
+    cache = KVCache(model.config, 64, block_size, "cpu", torch.float32)
+    bm = BlockManager(64, block_size)
+    bm.allocate(0, ids)
+    done, logits = 0, []
+    for n in chunks:
+        slots = bm.append_slots(0, done, n)
+        table = torch.tensor([bm.tables[0]])
+        ctx = AttentionContext(cache, torch.tensor(slots), table, [done + n], [n])
+        logits.append(model(torch.tensor(ids[done:done + n]), torch.arange(done, done + n), ctx))
+        done += n
+    return torch.cat(logits)
+
+
+def test_real_model_through_cache_equals_dense(real_model, real_tokenizer):
+    ids = real_tokenizer.encode("The paged KV cache stores keys and values in blocks, like pages of "
+                                "virtual memory, so that nothing is wasted and prefixes are shared. " * 2)
+    dense = real_model(torch.tensor(ids), torch.arange(len(ids)))
+    varied = [5, 11, 1, 16, 3]                     # chunks of varied size, crossing block edges
+    varied.append(len(ids) - sum(varied))
+    for chunks in ([1] * len(ids), varied, [len(ids)]):
+        paged = run_chunks(real_model, chunks, ids)
+        assert (paged - dense).abs().max() < 1e-4, f"chunks {chunks}"
+        assert torch.equal(paged.argmax(-1), dense.argmax(-1))
+
+
+# ------------------------------------------------------------ block manager
+
+def test_scripted_allocate_append_fork_free():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate(1, list(range(10))) == 0                   # nothing cached yet
+    assert bm.append_slots(1, 0, 10) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert bm.tables[1] == [0, 1, 2] and bm.num_free_blocks == 5
+    bm.cache_full_blocks(1, list(range(10)), 10)                  # blocks 0, 1 are full
+    assert bm.num_cached_blocks == 2
+    bm.fork(1, 2)
+    assert bm.ref_count[:3] == [2, 2, 2] and bm.num_free_blocks == 5
+    # seq 2 writes position 10: its last block (2) is shared -> private copy (block 3)
+    assert bm.append_slots(2, 10, 1) == [3 * 4 + 2]
+    assert bm.pending_copies == [(2, 3)] and bm.tables[2] == [0, 1, 3]
+    assert bm.ref_count[:4] == [2, 2, 1, 1]
+    # seq 1 writes position 10 too: block 2 is now its own, no copy
+    assert bm.append_slots(1, 10, 3) == [10, 11, 16]              # fills block 2, opens block 4
+    assert bm.pending_copies == [(2, 3)] and bm.tables[1] == [0, 1, 2, 4]
+    bm.free(1)
+    assert bm.ref_count[:5] == [1, 1, 0, 1, 0]
+    bm.free(2)
+    assert bm.num_free_blocks == 8 and bm.ref_count == [0] * 8
+    bm.check_invariants()
+
+
+def test_prefix_hits_reuse_the_same_physical_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 111))                                # 11 tokens: 2 full blocks + 3
+    bm.allocate(1, prompt)
+    bm.append_slots(1, 0, 11)
+    bm.cache_full_blocks(1, prompt, 11)
+    first_two = bm.tables[1][:2]
+    # same first 8 tokens, different tail -> 8 tokens cached, same blocks
+    assert bm.allocate(2, prompt[:8] + [7, 7, 7, 7, 7]) == 8
+    assert bm.tables[2] == first_two and bm.ref_count[first_two[0]] == 2
+    # a different first block breaks the chain even if the second block matches
+    assert bm.allocate(3, [0] + prompt[1:]) == 0
+    # after everybody leaves, the blocks stay cached and a newcomer still hits them
+    for s in (1, 2, 3):
+        bm.free(s)
+    assert bm.num_free_blocks == 16
+    assert bm.allocate(4, prompt) == 8 and bm.tables[4] == first_two
+    bm.check_invariants()
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(8))                                       # exactly 2 full blocks
+    bm.allocate(1, prompt)
+    bm.append_slots(1, 0, 8)
+    bm.cache_full_blocks(1, prompt, 8)
+    assert bm.allocate(2, prompt) == 4, "the last block is recomputed so its last token gets logits"
+
+
+def test_eviction_is_least_recently_used():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    for seq, prompt in [(1, [1, 1, 9]), (2, [2, 2, 9]), (3, [3, 3, 9])]:
+        bm.allocate(seq, prompt)
+        bm.append_slots(seq, 0, 2)          # only the full block
+        bm.cache_full_blocks(seq, prompt, 2)
+    bm.free(2), bm.free(1), bm.free(3)      # release order: 2, then 1, then 3
+    assert bm.num_cached_blocks == 3
+    # A newcomer needing 2 blocks takes the never-used block, then the least recently freed (seq 2's).
+    bm.allocate(4, [5, 5, 5, 5])
+    bm.append_slots(4, 0, 4)
+    assert bm.allocate(5, [2, 2, 9]) == 0, "seq 2's block was evicted first"
+    assert bm.allocate(6, [1, 1, 9]) == 2 and bm.allocate(7, [3, 3, 9]) == 2
+    bm.check_invariants()
+
+
+def test_randomized_operations_keep_invariants_and_free_everything():
+    rng = random.Random(1)
+    bm = BlockManager(num_blocks=40, block_size=4)
+    lens = {}                                   # seq -> tokens computed
+    toks = {}
+    next_id = 0
+    for step in range(4000):
+        op = rng.random()
+        if op < 0.3:                            # admit with a prompt from a few shared prefixes
+            prompt = [rng.randint(0, 2)] * rng.randint(1, 4) + [rng.randint(0, 5) for _ in range(rng.randint(1, 12))]
+            cached = bm.allocate(next_id, prompt)
+            if bm.can_append(next_id, cached, len(prompt) - cached):
+                bm.append_slots(next_id, cached, len(prompt) - cached)
+                bm.cache_full_blocks(next_id, prompt, len(prompt))
+                lens[next_id], toks[next_id] = len(prompt), prompt
+            else:
+                bm.free(next_id)
+            next_id += 1
+        elif op < 0.6 and lens:                 # decode a few tokens
+            s = rng.choice(list(lens))
+            n = rng.randint(1, 5)
+            if bm.can_append(s, lens[s], n):
+                bm.append_slots(s, lens[s], n)
+                toks[s] += [rng.randint(0, 5) for _ in range(n)]
+                lens[s] += n
+                bm.cache_full_blocks(s, toks[s], lens[s])
+        elif op < 0.7 and lens:                 # fork
+            s = rng.choice(list(lens))
+            bm.fork(s, next_id)
+            lens[next_id], toks[next_id] = lens[s], list(toks[s])
+            next_id += 1
+        elif op < 0.8 and lens:                 # speculative rollback
+            s = rng.choice(list(lens))
+            keep = rng.randint(1, lens[s])
+            bm.truncate(s, keep)
+            lens[s], toks[s] = keep, toks[s][:keep]
+        elif lens:                              # finish
+            s = rng.choice(list(lens))
+            bm.free(s)
+            del lens[s], toks[s]
+        bm.check_invariants()
+        assert bm.num_free_blocks + len({b for t in bm.tables.values() for b in t}) == bm.num_blocks
+    for s in list(lens):
+        bm.free(s)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_count)
+
+
+def test_copy_on_write_copies_once_and_keeps_the_data(real_model):
+    cfg = real_model.config
+    cache = KVCache(cfg, 8, 4, "cpu", torch.float32)
+    bm = BlockManager(8, 4)
+    bm.allocate(1, list(range(6)))
+    slots = torch.tensor(bm.append_slots(1, 0, 6))
+    k = torch.randn(6, cfg.n_kv_heads, cfg.head_dim)
+    for layer in range(cfg.n_layers):
+        cache.write(layer, slots, k * layer, -k * layer)
+    bm.fork(1, 2)
+    bm.fork(1, 3)
+    assert bm.pending_copies == [], "forking copies nothing"
+    bm.append_slots(2, 6, 1)
+    bm.append_slots(2, 7, 1)                  # second write into its private block: no new copy
+    bm.append_slots(3, 6, 3)                  # crosses into a new block: copies only the partial one
+    assert [src for src, _ in bm.pending_copies] == [1, 1], "exactly one copy per writer, of the shared partial block"
+    for src, dst in bm.pending_copies:
+        cache.copy_block(src, dst)
+        assert torch.equal(cache.k[:, dst, :2], cache.k[:, src, :2]) and torch.equal(cache.v[:, dst], cache.v[:, src])
+    assert bm.tables[1][0] == bm.tables[2][0] == bm.tables[3][0], "full blocks stay shared"
+
+
+def test_truncate_frees_trailing_blocks_and_uncaches_them():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    toks = list(range(13))
+    bm.allocate(1, toks)
+    bm.append_slots(1, 0, 13)
+    bm.cache_full_blocks(1, toks, 13)          # blocks 0..2 full
+    bm.truncate(1, 6)                          # keep block 0 and half of block 1
+    assert bm.tables[1] == [0, 1] and bm.num_free_blocks == 6
+    assert bm.num_cached_blocks == 1, "only the still-full first block stays in the prefix cache"
+    bm.check_invariants()
+
+
+# ------------------------------------------------------------------- misuse
+
+def test_misuse_fails_loudly():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    bm.allocate(1, [1, 2, 3])
+    bm.append_slots(1, 0, 3)
+    with pytest.raises(RuntimeError, match="no free blocks"):
+        bm.append_slots(1, 3, 10)              # 13 tokens > 2 blocks of 4
+    assert bm.tables[1] == [0] and bm.num_free_blocks == 1, "a failed append changes nothing"
+    bm.free(1)
+    with pytest.raises(ValueError, match="freed twice"):
+        bm.free(1)
+    with pytest.raises(ValueError, match="already has blocks"):
+        bm.allocate(2, [1]), bm.allocate(2, [1])
+    for bad in (0, -4, 2.5, "16"):
+        with pytest.raises(ValueError, match="block_size"):
+            BlockManager(4, bad)
+        with pytest.raises(ValueError, match="block_size"):
+            num_blocks_for_budget(100, bad, 10**6)
+    with pytest.raises(ValueError, match="too small"):
+        KVCache(tiny_config(), num_blocks_for_budget(1000, 16, 100), 16, "cpu", torch.float32)
