@@ -52,3 +52,35 @@ def real_model(real_path):
 def real_tokenizer(real_path):
     from tokenizer import Tokenizer
     return Tokenizer.from_pretrained(real_path)
+
+
+def save_checkpoint(model, directory, tokenizer_from=None):
+    """Write a model as a Hugging Face checkpoint directory (config.json +
+    model.safetensors), with the default model's tokenizer files."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    os.makedirs(directory, exist_ok=True)
+    c = model.config
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.dim,
+           "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+           "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_eps,
+           "rope_theta": c.rope_theta, "max_position_embeddings": c.max_seq_len, "vocab_size": c.vocab_size,
+           "tie_word_embeddings": c.tie_embeddings, "eos_token_id": 2, "bos_token_id": 1}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    sd = {("" if k == "lm_head.weight" else "model.") + k: v.contiguous()
+          for k, v in model.state_dict().items() if not (c.tie_embeddings and k == "lm_head.weight")}
+    save_file(sd, os.path.join(directory, "model.safetensors"))
+    src = tokenizer_from or default_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, name), directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer: the engine
+    runs it in milliseconds per step."""
+    return save_checkpoint(tiny_model(seed=0, vocab_size=49152, max_seq_len=2048), tmp_path_factory.mktemp("tiny"))
