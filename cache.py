@@ -155,6 +155,31 @@ class AttentionContext:
         self.cache.write(layer, self.slot_mapping, k, v)   # write first: a token sees itself
         return paged_attention(q, self.cache, layer, self.block_tables, self.seq_lens, self.query_lens)
 
+    @classmethod
+    def build(cls, cache: KVCache, block_manager: "BlockManager", work, logits_rows, device):
+        """Flatten one step's work into model inputs and a context.
+
+        work: (seq_id, token_ids fed, first position, slots) per sequence.
+        Returns input_ids[N], positions[N] and the context.
+        """
+        for src, dst in block_manager.pending_copies:      # copy-on-write before anyone writes
+            cache.copy_block(src, dst)
+        block_manager.pending_copies.clear()
+        input_ids, positions, slots, tables = [], [], [], []
+        for seq_id, tokens, start, seq_slots in work:
+            input_ids += tokens
+            positions += range(start, start + len(tokens))
+            slots += seq_slots
+            tables.append(block_manager.tables[seq_id])
+        width = max(map(len, tables))
+        ctx = cls(cache=cache,
+                  slot_mapping=torch.tensor(slots, device=device),
+                  block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+                  seq_lens=[start + len(tokens) for _, tokens, start, _ in work],
+                  query_lens=[len(tokens) for _, tokens, _, _ in work],
+                  logits_indices=torch.tensor(logits_rows, device=device, dtype=torch.long))
+        return torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), ctx
+
 
 # ----------------------------------------------------------------------------
 # BlockManager: the page table, free list, prefix cache and copy-on-write

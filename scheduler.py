@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import AttentionContext, BlockManager, KVCache, kv_cache_bytes, num_blocks_for_budget
+from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter, rejection_sample_batched
 from model import default_model_path, load_model
 from tokenizer import IncrementalDecoder, Tokenizer
 
@@ -225,6 +227,7 @@ class Sequence:
         self.status = WAITING
         self.generator = generator
         self.draft_tokens: list[int] = []        # proposed this step (speculative decoding)
+        self.draft_probs = None                  # their draft distributions [k, V] (None: one-hot)
         self.decoder = IncrementalDecoder(tokenizer)
         self.text = ""
         self.finish_reason = None
@@ -271,6 +274,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.release_hooks = []                  # called with a sequence whose blocks were freed
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -286,6 +290,8 @@ class Scheduler:
         """Preemption by recompute: drop the cache, keep the tokens, requeue first."""
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
+        for hook in self.release_hooks:
+            hook(seq)
         seq.num_computed, seq.status, seq.draft_tokens = 0, WAITING, []
         seq.request.metrics.preemptions += 1
         self.num_preemptions += 1
@@ -354,6 +360,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.seq_id in self.bm.tables:
             self.bm.free(seq.seq_id)
+        for hook in self.release_hooks:
+            hook(seq)
         seq.status = FINISHED
 
 
@@ -413,7 +421,31 @@ class LLM:
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self._rng = torch.Generator().manual_seed(0)   # seeds the unseeded requests
-        self.stats = {"steps": 0, "batched_tokens": 0}     # forward passes, and tokens they processed
+        self.stats = {"steps": 0, "batched_tokens": 0,     # forward passes, and tokens they processed
+                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0}
+        self.drafter = self._make_drafter(speculative, num_speculative_tokens, max_num_batched_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
+        if self.drafter is not None:    # a finished or preempted sequence leaves the draft cache too
+            self.scheduler.release_hooks.append(lambda seq: self.drafter.release(seq.seq_id))
+
+    def _make_drafter(self, speculative, k, max_num_batched_tokens):
+        if speculative is None:
+            return None
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if max_num_batched_tokens < k + 1:
+            raise ValueError(f"speculation needs max_num_batched_tokens >= num_speculative_tokens + 1 = {k + 1}")
+        if speculative == "ngram":
+            return NgramDrafter()
+        if not isinstance(speculative, str) or not os.path.isdir(speculative):
+            raise ValueError(f"speculative must be None, 'ngram' or a draft model directory, got {speculative!r}")
+        draft, cfg = load_model(speculative, device=self.device, dtype=self.dtype)
+        vocab = Tokenizer.from_pretrained(speculative).ranks
+        if cfg.vocab_size != self.config.vocab_size or vocab != self.tokenizer.ranks:
+            raise ValueError(f"the draft model at {speculative} has a different vocabulary "
+                             f"({cfg.vocab_size} tokens) than the target ({self.config.vocab_size})")
+        return ModelDrafter(draft, self.block_manager.num_blocks, self.block_manager.block_size,
+                            self.device, self.dtype)
 
     # -- requests --------------------------------------------------------------
 
@@ -475,24 +507,44 @@ class LLM:
         Returns the current state of every request that made progress; a
         finished request is returned one last time (finished=True), then forgotten.
         """
+        if self.drafter is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        # Sequences whose cache will hold all their known tokens after this
-        # step sample a next token from the logits of their last position.
-        rows, offset = [], 0                       # (sequence, row of the flat batch)
+        # Which rows of the flat batch need logits: the last position of every
+        # sequence whose cache will hold all its known tokens after this step
+        # (it samples a next token), or all 1 + k positions of a verification.
+        rows, offset = [], 0                       # (sequence, its rows)
         for item in batch:
             offset += item.count
             seq = item.seq
-            if item.start + item.count == len(seq.token_ids):
-                rows.append((seq, offset - 1))
-                rows += [(child, offset - 1) for child in self._fork(seq, item.start + item.count)]
-        logits = self._forward(batch, [r for _, r in rows])          # [len(rows), V]
+            if seq.draft_tokens:
+                rows.append((seq, list(range(offset - item.count, offset))))
+            elif item.start + item.count == len(seq.token_ids):
+                rows.append((seq, [offset - 1]))
+                rows += [(child, [offset - 1]) for child in self._fork(seq, item.start + item.count)]
+        flat_rows = [r for _, rs in rows for r in rs]
+        logits = self._forward(batch, flat_rows)                      # [len(flat_rows), V]
         for item in batch:
             item.seq.num_computed = item.start + item.count
-        tokens, logprobs = self._sample(logits, [s for s, _ in rows])
-        for i, (seq, _) in enumerate(rows):
-            self._append(seq, tokens[i], logprobs[i] if logprobs else None)
+        probs = self._probs(logits, [seq for seq, rs in rows for _ in rs])
+
+        # Decide each sequence's new tokens: a plain sample, or the verified drafts.
+        new_tokens, i = {}, 0
+        plain = [(seq, i0) for seq, i0 in self._row_starts(rows) if not seq.draft_tokens]
+        if plain:
+            toks = sample(probs[[i0 for _, i0 in plain]], [seq.generator for seq, _ in plain]).tolist()
+            new_tokens.update({seq: [t] for (seq, _), t in zip(plain, toks)})
+        verify = [(seq, i0) for seq, i0 in self._row_starts(rows) if seq.draft_tokens]
+        if verify:
+            new_tokens.update(self._verify(verify, probs))
+
+        for seq, i0 in self._row_starts(rows):
+            for j, token in enumerate(new_tokens[seq]):
+                if seq.status != RUNNING:
+                    break                          # stopped by an earlier token of this step
+                self._append(seq, token, self._logprob(logits, i0 + j, token, seq.params.logprobs))
 
         touched = {}
         for seq in [item.seq for item in batch] + [s for s, _ in rows]:
@@ -523,52 +575,94 @@ class LLM:
 
     def _forward(self, batch: list[ScheduledSeq], logits_rows: list[int]):
         """Flatten the scheduled tokens of all sequences into one forward pass."""
-        bm, dev = self.block_manager, self.device
-        for src, dst in bm.pending_copies:         # copy-on-write before anyone writes
-            self.cache.copy_block(src, dst)
-        bm.pending_copies.clear()
-        input_ids, positions, slots = [], [], []
-        for item in batch:
-            seq = item.seq
-            fed = seq.token_ids[item.start:] + seq.draft_tokens    # prefill chunk or last token (+ drafts)
-            input_ids += fed[:item.count]
-            positions += range(item.start, item.start + item.count)
-            slots += item.slots
-        tables = [bm.tables[item.seq.seq_id] for item in batch]
-        width = max(map(len, tables))
-        ctx = AttentionContext(
-            cache=self.cache,
-            slot_mapping=torch.tensor(slots, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev),
-            seq_lens=[item.start + item.count for item in batch],
-            query_lens=[item.count for item in batch],
-            logits_indices=torch.tensor(logits_rows, device=dev, dtype=torch.long))
-        return self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), ctx)
+        work = [(it.seq.seq_id, (it.seq.token_ids[it.start:] + it.seq.draft_tokens)[:it.count], it.start, it.slots)
+                for it in batch]   # a prefill chunk, or the last sampled token (+ drafts to verify)
+        input_ids, positions, ctx = AttentionContext.build(self.cache, self.block_manager, work,
+                                                           logits_rows, self.device)
+        return self.model(input_ids, positions, ctx)
 
-    def _sample(self, logits, seqs: list[Sequence]):
-        """Next token of each row; optional logprobs of the raw model distribution."""
+    @staticmethod
+    def _row_starts(rows):
+        """(sequence, index of its first row in the logits) for each sampling sequence."""
+        i = 0
+        for seq, rs in rows:
+            yield seq, i
+            i += len(rs)
+
+    def _probs(self, logits, seqs):
+        """probs_from_logits with each row's own sampling parameters."""
+        dev, p = logits.device, [s.params for s in seqs]
         if not seqs:
-            return [], None
-        dev = logits.device
-        p = [s.params for s in seqs]
-        probs = probs_from_logits(
+            return logits
+        return probs_from_logits(
             logits, torch.tensor([x.temperature for x in p], device=dev, dtype=logits.dtype),
-            torch.tensor([x.top_k for x in p], device=dev), torch.tensor([x.top_p for x in p], device=dev,
-                                                                         dtype=logits.dtype))
-        tokens = sample(probs, [s.generator for s in seqs]).tolist()
-        if all(x.logprobs is None for x in p):
-            return tokens, None
-        logp = logits.log_softmax(dim=-1)
-        out = []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
-            n = seq.params.logprobs
-            if n is None:
-                out.append(None)
-                continue
-            top = logp[i].topk(n) if n else None
-            alts = dict(zip(top.indices.tolist(), top.values.tolist())) if n else {}
-            out.append((logp[i, tok].item(), alts))
-        return tokens, out
+            torch.tensor([x.top_k for x in p], device=dev),
+            torch.tensor([x.top_p for x in p], device=dev, dtype=logits.dtype))
+
+    def _logprob(self, logits, row, token, n):
+        """(log-probability of the token, {top-n alternatives}) under the raw model."""
+        if n is None:
+            return None
+        logp = logits[row].log_softmax(dim=-1)
+        top = logp.topk(n)
+        return logp[token].item(), dict(zip(top.indices.tolist(), top.values.tolist()))
+
+    # -- speculative decoding --------------------------------------------------------
+
+    def _propose_drafts(self):
+        """Ask the drafter for up to k tokens for every decoding sequence."""
+        seqs, reqs = [], []
+        for seq in self.scheduler.running:
+            seq.draft_tokens, seq.draft_probs = [], None
+            if seq.remaining != 1:
+                continue                            # still prefilling
+            # never draft past max_tokens or the context: the last token is the target's
+            k = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1,
+                    self.max_len - len(seq.token_ids) - 1)
+            if k > 0:
+                seqs.append(seq)
+                reqs.append((seq.seq_id, seq.token_ids, k))
+
+        def draft_sample(logits, idx):             # the draft model samples with each request's params
+            probs = self._probs(logits, [seqs[i] for i in idx])
+            return sample(probs, [seqs[i].generator for i in idx]), probs
+
+        for seq, (tokens, probs) in zip(seqs, self.drafter.propose(reqs, draft_sample)):
+            seq.draft_tokens, seq.draft_probs = tokens, probs
+
+    def _verify(self, verify, probs):
+        """Rejection-sample every verifying sequence at once; roll back the caches."""
+        K = max(len(seq.draft_tokens) for seq, _ in verify)
+        V = probs.shape[1]
+        target = torch.zeros(len(verify), K + 1, V, device=probs.device)
+        draft = torch.zeros(len(verify), K, V, device=probs.device)
+        tokens = torch.zeros(len(verify), K, dtype=torch.long, device=probs.device)
+        for b, (seq, i0) in enumerate(verify):
+            m = len(seq.draft_tokens)
+            target[b, :m + 1] = probs[i0:i0 + m + 1]
+            tokens[b, :m] = torch.tensor(seq.draft_tokens)
+            # a deterministic drafter (n-gram) proposes with probability 1: one-hot
+            draft[b, :m] = seq.draft_probs if seq.draft_probs is not None else \
+                torch.zeros(m, V, device=probs.device).scatter_(1, tokens[b, :m, None], 1.0)
+        accepted = rejection_sample_batched(target, draft, tokens, [len(s.draft_tokens) for s, _ in verify],
+                                            [seq.generator for seq, _ in verify])
+        out = {}
+        for (seq, _), acc in zip(verify, accepted):
+            m = len(seq.draft_tokens)
+            # K/V are valid for the fed last token and the accepted drafts; the
+            # final token (correction or bonus) is fed next step like any sample.
+            seq.num_computed = len(seq.token_ids) - 1 + len(acc)
+            self.block_manager.truncate(seq.seq_id, seq.num_computed)
+            self.drafter.rollback(seq.seq_id, seq.num_computed)
+            met = seq.request.metrics
+            met.draft_tokens, met.accepted_tokens, met.verify_steps = \
+                met.draft_tokens + m, met.accepted_tokens + len(acc) - 1, met.verify_steps + 1
+            self.stats["draft_tokens"] += m
+            self.stats["accepted_tokens"] += len(acc) - 1
+            self.stats["verify_steps"] += 1
+            seq.draft_tokens, seq.draft_probs = [], None
+            out[seq] = acc
+        return out
 
     def _append(self, seq: Sequence, token: int, logprob=None):
         """Add a sampled token, stream its text, and check the stop conditions."""

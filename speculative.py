@@ -1,0 +1,202 @@
+"""
+speculative.py -- draft, verify, and exact rejection sampling.
+
+The lesson: a decode step is memory-bound, so feeding the target model k+1
+tokens costs about as much as feeding it 1 (the weights are read once
+either way). If a cheap drafter guesses the next k tokens, the target can
+check all of them in ONE pass, like a short prefill, and keep the longest
+prefix it agrees with. Every pass yields at least one token (the target's
+own next token), and up to k+1.
+
+The rule that keeps the target's distribution EXACTLY (Leviathan et al.
+2023, Chen et al. 2023): with target probabilities q and draft
+probabilities p at each drafted position,
+    accept draft token x with probability min(1, q(x) / p(x));
+    at the first rejection, sample a replacement from normalize(max(q - p, 0))
+    and stop; if all k are accepted, sample a bonus token from q at k+1.
+(Why: P(output = x) = p(x) min(1, q/p) + P(reject) * residual(x) = q(x).)
+Greedy decoding is the special case where q and p are one-hot: accept while
+the draft equals the target's argmax, then emit the argmax.
+With an acceptance rate a per token, a pass yields (1 - a^(k+1)) / (1 - a)
+tokens on average; if a draft token costs r target passes, the expected
+speedup is (k*a + 1) / (1 + k*r) in the lecture's simplified form.
+
+Place in the data flow: LLM.step() (scheduler.py) asks a drafter for up to k
+tokens per decoding sequence, schedules 1 + k query tokens for each, runs
+the target once over the whole flat batch, calls rejection_sample on each
+sequence's k+1 rows of target probabilities, appends the accepted tokens
+and truncates the KV cache past them. This file knows nothing of the
+scheduler: only token lists, tensors, and the paged cache of a draft model.
+"""
+from __future__ import annotations
+
+import torch
+
+from cache import AttentionContext, BlockManager, KVCache
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+# ----------------------------------------------------------------------------
+# The rejection rule
+# ----------------------------------------------------------------------------
+
+def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) -> list[int]:
+    """Accept a prefix of the draft and add one token of the target's own.
+
+    target_probs [k+1, V], draft_probs [k, V], draft_tokens [k] -> 1..k+1 tokens.
+    Random numbers: k uniforms, then one exponential per vocabulary entry for
+    the final token (see scheduler.sample), drawn in that order so the
+    batched version below consumes exactly the same randomness.
+    """
+    k = len(draft_tokens)
+    u = torch.rand(k, generator=generator, device=target_probs.device)
+    out = []
+    for i in range(k):
+        x = int(draft_tokens[i])
+        q, p = target_probs[i, x], draft_probs[i, x]
+        if p > 0 and u[i] < q / p or p == 0 and q > 0:   # min(1, q/p) without dividing by 0
+            out.append(x)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
+        # q == p leaves nothing to resample from: then rejection had probability 0
+        # in exact arithmetic; fall back on q itself.
+        final = residual if residual.sum() > 0 else target_probs[i]
+        return out + [_draw(final, generator)]
+    return out + [_draw(target_probs[k], generator)]
+
+
+def _draw(probs, generator) -> int:
+    """Sample from unnormalized probs [V] by an exponential race (as scheduler.sample)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts, generators) -> list[list[int]]:
+    """The same rule for B sequences at once; sequence b has num_drafts[b] drafts.
+
+    target_probs [B, K+1, V], draft_probs [B, K, V], draft_tokens [B, K] (padded).
+    Acceptance of all positions is one vectorized comparison; the first
+    rejection is found with a cumulative product; the residual or bonus
+    distribution of every row is built at once.
+    """
+    B, K1, V = target_probs.shape
+    K = K1 - 1
+    dev = target_probs.device
+    n = torch.tensor(num_drafts, device=dev)
+    u = torch.ones(B, K, device=dev)                          # padded positions: never accepted
+    for b in range(B):
+        u[b, :num_drafts[b]] = torch.rand(num_drafts[b], generator=generators[b], device=dev)
+    idx = draft_tokens.long().clamp(min=0)[..., None]
+    q = target_probs[:, :K].gather(-1, idx)[..., 0]           # [B, K]
+    p = draft_probs.gather(-1, idx)[..., 0]
+    accept = torch.where(p > 0, u < q / p.clamp(min=1e-30), q > 0)
+    accept &= torch.arange(K, device=dev)[None] < n[:, None]
+    n_acc = accept.long().cumprod(dim=1).sum(dim=1)           # accepted prefix length [B]
+    # Final distribution: residual at the first rejection, or the bonus row.
+    rows = torch.arange(B, device=dev)
+    q_final = target_probs[rows, n_acc]                       # [B, V]
+    p_final = torch.where((n_acc < n)[:, None], draft_probs[rows, n_acc.clamp(max=max(K - 1, 0))], 0.0) \
+        if K else torch.zeros_like(q_final)
+    residual = (q_final - p_final).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, q_final)
+    noise = torch.stack([torch.empty(V, device=dev).exponential_(generator=g) for g in generators])
+    final = (residual / noise).argmax(dim=-1)
+    return [draft_tokens[b, :n_acc[b]].tolist() + [int(final[b])] for b in range(B)]
+
+
+# ----------------------------------------------------------------------------
+# Drafters: propose(requests) -> [(draft tokens, draft probs or None)]
+# ----------------------------------------------------------------------------
+
+class NgramDrafter:
+    """Prompt lookup: if the last n tokens occurred earlier in this sequence,
+    guess that what followed them then follows them now. No model at all;
+    drafts are deterministic (draft probabilities one-hot). It shines when
+    the output copies its input: editing, summarizing, code refactoring."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose_one(self, token_ids: list[int], k: int) -> list[int]:
+        L = len(token_ids)
+        for n in range(self.n_max, self.n_min - 1, -1):      # longest match first
+            if L <= n:
+                continue
+            suffix = token_ids[-n:]
+            for start in range(L - n - 1, -1, -1):           # the most recent earlier occurrence
+                if token_ids[start:start + n] == suffix:
+                    return token_ids[start + n:start + n + k]
+        return []
+
+    def propose(self, requests, sample_fn=None):
+        """requests: (seq_id, token_ids, k) -> [(tokens, None)]."""
+        return [(self.propose_one(tokens, k), None) for _, tokens, k in requests]
+
+    def rollback(self, seq_id, num_tokens):
+        pass                                                  # stateless
+
+    def release(self, seq_id):
+        pass
+
+
+class ModelDrafter:
+    """A smaller model with the same tokenizer drafts k tokens autoregressively.
+
+    It keeps its own paged KV cache (its own BlockManager over the same
+    sequence ids), so each draft step feeds only new tokens. After the
+    target verifies, rollback() truncates the draft cache to the tokens
+    that survived, exactly as the engine truncates the target's.
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int, device, dtype):
+        self.model, self.device = model, device
+        self.cache = KVCache(model.config, num_blocks, block_size, device, dtype)
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.computed: dict[int, int] = {}                    # seq_id -> tokens in the draft cache
+
+    @torch.inference_mode()
+    def propose(self, requests, sample_fn):
+        """requests: (seq_id, token_ids, k); sample_fn(logits [R, V], request indices)
+        -> (tokens [R], probs [R, V]) applies each request's own sampling params.
+        Returns [(tokens, probs [len(tokens), V])] per request."""
+        out = [([], []) for _ in requests]
+        # Step 0 feeds everything the draft cache lacks (usually 1-2 tokens);
+        # steps 1..k-1 feed the previous draft token.
+        feed = {i: tokens[self.computed.get(sid, 0):] for i, (sid, tokens, k) in enumerate(requests) if k > 0}
+        for step in range(max((k for _, _, k in requests), default=0)):
+            work, rows, active = [], [], []
+            for i, new in feed.items():
+                sid, tokens, k = requests[i]
+                if step >= k:
+                    continue
+                if sid not in self.bm.tables:
+                    self.bm.allocate(sid, tokens)
+                start = self.computed.get(sid, 0)
+                if not self.bm.can_append(sid, start, len(new)):
+                    continue                                   # draft pool full: fewer drafts
+                work.append((sid, new, start, self.bm.append_slots(sid, start, len(new))))
+                self.computed[sid] = start + len(new)
+                rows.append(sum(len(w[1]) for w in work) - 1)
+                active.append(i)
+            if not work:
+                break
+            input_ids, positions, ctx = AttentionContext.build(self.cache, self.bm, work, rows, self.device)
+            tokens, probs = sample_fn(self.model(input_ids, positions, ctx), active)
+            feed = {}
+            for j, i in enumerate(active):
+                out[i][0].append(int(tokens[j]))
+                out[i][1].append(probs[j])
+                feed[i] = [int(tokens[j])]
+        return [(t, torch.stack(p) if p else None) for t, p in out]
+
+    def rollback(self, seq_id, num_tokens):
+        """Keep only the first num_tokens tokens' K/V (the rest were rejected)."""
+        if seq_id in self.computed and self.computed[seq_id] > num_tokens:
+            self.computed[seq_id] = num_tokens
+            self.bm.truncate(seq_id, num_tokens)
+
+    def release(self, seq_id):
+        self.computed.pop(seq_id, None)
+        if seq_id in self.bm.tables:
+            self.bm.free(seq_id)

@@ -1,0 +1,237 @@
+"""Assignment: speculative.py -- draft, verify, exact rejection sampling.
+
+To pass, implement:
+  * rejection_sample(target_probs [k+1, V], draft_probs [k, V], draft_tokens [k]):
+    accept draft i with probability min(1, q/p), resample the first rejection
+    from normalize(max(q - p, 0)), add a bonus token when all are accepted.
+    The emitted tokens must follow the TARGET distribution exactly (checked
+    with a chi-square test over 100k samples), and the batched version must
+    agree with it draw for draw;
+  * NgramDrafter (prompt lookup) and ModelDrafter (a draft model with its own
+    paged KV cache and rollback);
+  * verification inside LLM.step: greedy outputs identical to the engine
+    without speculation, caches rolled back past rejected drafts, no leaks.
+"""
+import os
+
+import pytest
+import torch
+from conftest import save_checkpoint, tiny_model
+
+from cache import AttentionContext
+from scheduler import LLM, SamplingParams
+from speculative import NgramDrafter, rejection_sample, rejection_sample_batched
+
+
+def onehot(tokens, V):
+    return torch.nn.functional.one_hot(torch.tensor(tokens), V).float()
+
+
+# ------------------------------------------------------------ deterministic cases
+
+def test_all_accepted_gives_k_drafts_plus_bonus():
+    V = 6
+    target = onehot([2, 4, 1, 5], V)                   # the target agrees with every draft
+    out = rejection_sample(target, onehot([2, 4, 1], V), torch.tensor([2, 4, 1]))
+    assert out == [2, 4, 1, 5]
+
+
+def test_first_rejected_gives_exactly_one_corrected_token():
+    V = 6
+    target = onehot([3, 4, 1, 5], V)
+    out = rejection_sample(target, onehot([2, 4, 1], V), torch.tensor([2, 4, 1]))
+    assert out == [3], "greedy: stop at the first disagreement and emit the target's argmax"
+    out = rejection_sample(onehot([2, 0, 1, 5], V), onehot([2, 4, 1], V), torch.tensor([2, 4, 1]))
+    assert out == [2, 0], "accepted prefix, then the correction"
+
+
+def test_a_draft_the_target_never_emits_is_always_rejected():
+    target = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
+    for seed in range(50):
+        out = rejection_sample(target, torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([0]),
+                               torch.Generator().manual_seed(seed))
+        assert len(out) == 1 and out[0] in (1, 2)
+
+
+def random_dists(g, *shape):
+    x = torch.rand(*shape, generator=g) ** 3
+    return x / x.sum(-1, keepdim=True)
+
+
+def test_batched_agrees_with_single_draw_for_draw():
+    g = torch.Generator().manual_seed(0)
+    B, K, V = 16, 4, 7
+    target, draft = random_dists(g, B, K + 1, V), random_dists(g, B, K, V)
+    tokens = torch.multinomial(draft.view(-1, V), 1, generator=g).view(B, K)
+    num = [K, 1, 3, 2] * 4                                # ragged draft counts
+    batched = rejection_sample_batched(target, draft, tokens, num,
+                                       [torch.Generator().manual_seed(100 + b) for b in range(B)])
+    for b in range(B):
+        n = num[b]
+        single = rejection_sample(target[b, :n + 1], draft[b, :n], tokens[b, :n],
+                                  torch.Generator().manual_seed(100 + b))
+        assert single == batched[b], f"row {b}"
+        assert 1 <= len(single) <= n + 1
+
+
+# ------------------------------------------------------- distribution exactness
+
+def chi_square(counts, probs):
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("case", ["random", "draft_equals_target", "draft_has_zeros"])
+def test_first_token_follows_the_target_distribution(k, case):
+    """100k trials: drafts sampled from p, first emitted token must be ~ q."""
+    g = torch.Generator().manual_seed(k * 7 + len(case))
+    V, N = 5, 100_000
+    target = random_dists(g, k + 1, V)
+    if case == "random":
+        draft = random_dists(g, k, V)
+    elif case == "draft_equals_target":
+        draft = target[:k].clone()
+    else:                                  # the draft puts no mass where the target has some
+        draft = random_dists(g, k, V)
+        draft[:, :2] = 0
+        draft /= draft.sum(-1, keepdim=True)
+    tokens = torch.multinomial(draft, N, replacement=True, generator=g).T       # [N, k]
+    gen = torch.Generator().manual_seed(1)
+    outs = rejection_sample_batched(target.expand(N, -1, -1), draft.expand(N, -1, -1), tokens, [k] * N, [gen] * N)
+    counts = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=V).float()
+    stat, df = chi_square(counts, target[0])
+    # 99.9th percentile of chi-square with df = 4 is 18.47
+    assert stat < 18.47, f"chi-square {stat:.1f} (df {df}): first token is not distributed as the target"
+    freq = counts / N
+    tv_target = 0.5 * (freq - target[0]).abs().sum()
+    tv_draft = 0.5 * (freq - draft[0]).abs().sum()
+    assert tv_target < 0.01 and (case == "draft_equals_target" or tv_draft > 5 * tv_target)
+
+
+# ---------------------------------------------------------------- the n-gram drafter
+
+def test_ngram_drafter_finds_the_most_recent_longest_match():
+    d = NgramDrafter(n_max=3, n_min=1)
+    assert d.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1], "most recent occurrence wins"
+    assert d.propose_one([5, 6, 1, 2, 8, 2], 3) == [8, 2], "falls back to shorter n-grams"
+    assert d.propose_one([1, 2, 3], 2) == [], "no earlier occurrence, no draft"
+
+
+# ------------------------------------------------------- inside the engine, real model
+
+# ChatML written out: the instruct model copies the passage, so prompt lookup pays off.
+COPY = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nRepeat the following text exactly, word for word:\n\nThe quick brown fox jumps "
+        "over the lazy dog. The dog sleeps in the sun while the fox runs into the forest.<|im_end|>\n"
+        "<|im_start|>assistant\n")
+PROMPTS = [COPY, "What is the capital of France?", "1, 2, 3, 4, 5, 6,", "Hello " * 30]
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(real_path):
+    llm = LLM(real_path, kv_cache_bytes=64 << 20)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def assert_no_leak(llm):
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    llm.block_manager.check_invariants()
+    if hasattr(llm.drafter, "bm"):
+        assert llm.drafter.bm.num_free_blocks == llm.drafter.bm.num_blocks, "draft cache leaked"
+
+
+def test_ngram_greedy_is_exact_and_accepts_copies(real_path, plain_outputs):
+    llm = LLM(real_path, kv_cache_bytes=64 << 20, speculative="ngram", num_speculative_tokens=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    m = outs[0].metrics
+    assert m.draft_tokens > 0 and m.acceptance_rate > 0.5, f"copying: acceptance {m.acceptance_rate}"
+    assert m.verify_steps < 12, "accepted drafts must save target passes (16 tokens)"
+    assert_no_leak(llm)
+
+
+def test_ngram_greedy_is_exact_under_preemption(real_path, plain_outputs):
+    llm = LLM(real_path, kv_cache_bytes=24 * 4 * 46080, block_size=4, speculative="ngram",
+              num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.scheduler.num_preemptions >= 1
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert_no_leak(llm)
+
+
+def test_target_as_its_own_draft_accepts_everything(real_path, plain_outputs):
+    llm = LLM(real_path, kv_cache_bytes=64 << 20, speculative=real_path, num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS[:2], GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs[:2]
+    assert llm.stats["accepted_tokens"] == llm.stats["draft_tokens"], "a perfect draft is never rejected"
+    assert_no_leak(llm)
+
+
+@pytest.fixture(scope="module")
+def bad_draft_path(tmp_path_factory, real_path):
+    """A tiny random model with SmolLM2's vocabulary: a draft that is nearly always wrong."""
+    return save_checkpoint(tiny_model(seed=3, vocab_size=49152, max_seq_len=8192),
+                           tmp_path_factory.mktemp("bad_draft"), tokenizer_from=real_path)
+
+
+def test_bad_draft_model_is_exact_and_rolls_back(real_path, plain_outputs, bad_draft_path):
+    llm = LLM(real_path, kv_cache_bytes=64 << 20, speculative=bad_draft_path, num_speculative_tokens=3)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert llm.stats["accepted_tokens"] < llm.stats["draft_tokens"], "a random draft gets rejected"
+    assert_no_leak(llm)
+
+
+# ------------------------------------------------------------- cache rollback
+
+def test_cache_holds_exactly_the_accepted_tokens(tiny_path, bad_draft_path):
+    """Mid-run, the target's paged cache of every running sequence must equal
+    what the dense path computes from its accepted tokens alone."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, block_size=4, speculative=bad_draft_path,
+              num_speculative_tokens=4)
+    for p in ["rollback test one", "rollback two " * 5]:
+        llm.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(6):
+        llm.step()
+    assert llm.stats["accepted_tokens"] < llm.stats["draft_tokens"]
+    for seq in llm.scheduler.running:
+        n = seq.num_computed
+        assert n == len(seq.token_ids) - 1
+        assert len(llm.block_manager.tables[seq.seq_id]) == -(-n // 4), "trailing blocks must be freed"
+        # feed the pending token over the cache and compare with the dense path
+        slots = llm.block_manager.append_slots(seq.seq_id, n, 1)
+        ids, pos, ctx = AttentionContext.build(llm.cache, llm.block_manager,
+                                               [(seq.seq_id, seq.token_ids[n:], n, slots)], [0], "cpu")
+        paged = llm.model(ids, pos, ctx)[0]
+        dense = llm.model(torch.tensor(seq.token_ids), torch.arange(len(seq.token_ids)))[-1]
+        assert torch.allclose(paged, dense, atol=1e-4)
+
+
+def test_sampled_speculation_with_forks_finishes_without_leaks(tiny_path):
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=5)
+    p = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=0, ignore_eos=True, n=2)
+    outs = llm.generate(["a a a a b b b b a a a a b b"] * 3, p)
+    assert all(len(c.token_ids) == 30 for o in outs for c in o.outputs)
+    assert llm.stats["draft_tokens"] > 0 and all(o.finish_reason == "length" for o in outs)
+    assert_no_leak(llm)
+
+
+# ------------------------------------------------------------------- bad input
+
+def test_bad_speculative_configuration(tiny_path, tmp_path):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, speculative="ngram", num_speculative_tokens=1000)
+    with pytest.raises(ValueError, match="speculative must be"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, speculative="medusa")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, speculative="ngram", num_speculative_tokens=8,
+            max_num_batched_tokens=4)
+    other = save_checkpoint(tiny_model(vocab_size=512), tmp_path / "other_vocab")
+    with pytest.raises(ValueError, match="different vocabulary"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, speculative=other)
+    assert os.path.isdir(other)
