@@ -298,6 +298,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> list[ScheduledSeq]:
+        # The token budget bounds the work of one forward pass: decode tokens are
+        # cheap (memory-bound), prefill tokens are compute; chunking long prompts
+        # keeps every step short so running sequences never stall behind a prompt.
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         scheduled = set()
@@ -397,6 +400,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_pretrained(self.path)
         self.dtype = dtype
 
+        # Sizing the pool is the central memory trade-off of serving: every byte
+        # given to the KV cache is a byte more of concurrent context.
         # The KV pool: as many blocks as the budget allows (the lecture's formula).
         per_token = globals()["kv_cache_bytes"](self.config, dtype)
         if kv_cache_bytes is None:
@@ -509,10 +514,11 @@ class LLM:
         """
         if self.drafter is not None:
             self._propose_drafts()
+        # 1. schedule: who runs, how many tokens each (may preempt).
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        # Which rows of the flat batch need logits: the last position of every
+        # 2. Which rows of the flat batch need logits: the last position of every
         # sequence whose cache will hold all its known tokens after this step
         # (it samples a next token), or all 1 + k positions of a verification.
         rows, offset = [], 0                       # (sequence, its rows)
@@ -524,6 +530,7 @@ class LLM:
             elif item.start + item.count == len(seq.token_ids):
                 rows.append((seq, [offset - 1]))
                 rows += [(child, [offset - 1]) for child in self._fork(seq, item.start + item.count)]
+        # 3. one forward pass over the flat batch of every scheduled token.
         flat_rows = [r for _, rs in rows for r in rs]
         logits = self._forward(batch, flat_rows)                      # [len(flat_rows), V]
         for item in batch:
@@ -546,6 +553,8 @@ class LLM:
                     break                          # stopped by an earlier token of this step
                 self._append(seq, token, self._logprob(logits, i0 + j, token, seq.params.logprobs))
 
+        # 4. bookkeeping: register newly full blocks in the prefix cache, and
+        #    report every request that moved (finished ones for the last time).
         touched = {}
         for seq in [item.seq for item in batch] + [s for s, _ in rows]:
             if seq.status == RUNNING:              # full blocks become reusable prefixes
@@ -560,6 +569,8 @@ class LLM:
                 self.requests.pop(req.request_id, None)
         return outputs
 
+    # Forking happens before the forward pass, after the parent's slots were
+    # allocated: the children share exactly the blocks this step fills.
     def _fork(self, seq: Sequence, num_computed: int) -> list[Sequence]:
         """n > 1: when the prompt is done, add n - 1 sequences sharing its blocks."""
         req, children = seq.request, []
@@ -630,6 +641,8 @@ class LLM:
         for seq, (tokens, probs) in zip(seqs, self.drafter.propose(reqs, draft_sample)):
             seq.draft_tokens, seq.draft_probs = tokens, probs
 
+    # Verification pads every sequence's drafts to the longest, so the rule runs
+    # as one batched tensor operation (speculative.rejection_sample_batched).
     def _verify(self, verify, probs):
         """Rejection-sample every verifying sequence at once; roll back the caches."""
         K = max(len(seq.draft_tokens) for seq, _ in verify)
@@ -664,6 +677,8 @@ class LLM:
             out[seq] = acc
         return out
 
+    # Stop conditions are checked token by token, so that a speculative step that
+    # accepted several tokens still stops exactly where plain decoding would.
     def _append(self, seq: Sequence, token: int, logprob=None):
         """Add a sampled token, stream its text, and check the stop conditions."""
         seq.token_ids.append(token)
