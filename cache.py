@@ -88,11 +88,15 @@ class KVCache:
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
+    def blocks(self, layer: int, block_ids):
+        """K, V of the given blocks (any index shape S): [*S, block_size, n_kv, d].
+        The one read path: quantize.Int8KVCache overrides it to dequantize."""
+        return self.k[layer][block_ids], self.v[layer][block_ids]
+
     def gather(self, layer: int, block_ids, num_tokens: int):
         """K, V of one sequence's first num_tokens tokens: [num_tokens, n_kv, d]."""
-        k = self.k[layer][block_ids].flatten(0, 1)[:num_tokens]   # [n_blocks * bs, n_kv, d]
-        v = self.v[layer][block_ids].flatten(0, 1)[:num_tokens]
-        return k, v
+        k, v = self.blocks(layer, block_ids)                        # [n_blocks, bs, n_kv, d]
+        return k.flatten(0, 1)[:num_tokens], v.flatten(0, 1)[:num_tokens]
 
     def copy_block(self, src: int, dst: int):
         """Copy-on-write: duplicate a physical block in every layer."""

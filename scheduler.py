@@ -41,6 +41,7 @@ import torch
 from cache import AttentionContext, BlockManager, KVCache, kv_cache_bytes, num_blocks_for_budget
 from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter, rejection_sample_batched
 from model import default_model_path, load_model
+from quantize import Int8KVCache, int8_kv_cache_bytes, quantize_model
 from tokenizer import IncrementalDecoder, Tokenizer
 
 # ----------------------------------------------------------------------------
@@ -381,29 +382,36 @@ class LLM:
 
     def __init__(self, path=None, device="auto", dtype="auto", block_size=16, kv_cache_bytes=None,
                  max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True,
-                 quantization=None, compile=False, speculative=None, num_speculative_tokens=4):
+                 quantization=None, kv_cache_dtype=None, compile=False, speculative=None,
+                 num_speculative_tokens=4):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        if dtype == "auto":      # bf16 halves the bytes per step on GPU; CPU matmuls want fp32
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        if dtype == "auto":      # bf16 halves the bytes per step on GPU; CPU matmuls want fp32,
+            # except int8 ones: the CPU int8 kernel takes bf16 activations (quantize.py)
+            cpu_fp32 = self.device.type == "cpu" and quantization is None
+            dtype = torch.float32 if cpu_fp32 else torch.bfloat16
         elif isinstance(dtype, str):
             dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if quantization is not None or compile:
-            raise ValueError("quantization and compile=True are not available yet in this version "
-                             "(quantize.py and kernels.py are still to come)")
+        if kv_cache_dtype not in (None, "int8"):
+            raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
+        if compile:
+            raise ValueError("compile=True is not available yet in this version (kernels.py is still to come)")
         self.path = path or default_model_path()
         self.model, self.config = load_model(self.path, device=self.device, dtype=dtype)
+        if quantization is not None:       # int8 weights: a quarter of fp32's bytes per step
+            quantize_model(self.model, quantization)
         self.tokenizer = Tokenizer.from_pretrained(self.path)
         self.dtype = dtype
 
         # Sizing the pool is the central memory trade-off of serving: every byte
         # given to the KV cache is a byte more of concurrent context.
         # The KV pool: as many blocks as the budget allows (the lecture's formula).
-        per_token = globals()["kv_cache_bytes"](self.config, dtype)
+        int8_kv = kv_cache_dtype == "int8"
+        per_token = int8_kv_cache_bytes(self.config) if int8_kv else globals()["kv_cache_bytes"](self.config, dtype)
         if kv_cache_bytes is None:
             if self.device.type == "cuda":   # most of what the weights left free
                 kv_cache_bytes = int(0.8 * torch.cuda.mem_get_info(self.device)[0])
@@ -413,15 +421,16 @@ class LLM:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is too small for one block of "
                              f"{block_size} tokens ({per_token * block_size} bytes)")
-        self.cache = KVCache(self.config, num_blocks, block_size, self.device, dtype)
+        self.cache = (Int8KVCache if int8_kv else KVCache)(self.config, num_blocks, block_size, self.device, dtype)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         # The longest sequence that can ever run: the context, or the whole pool.
         self.max_len = min(self.config.max_seq_len, num_blocks * block_size)
         c = self.config
+        value = "(1 B + 4 B scale / head_dim)" if int8_kv else f"{torch.finfo(dtype).bits // 8} B"
         print(f"nanoinfer: KV cache {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} "
               f"tokens; {per_token} B/token = 2*{c.n_layers} layers*{c.n_kv_heads} kv heads*{c.head_dim} dims"
-              f"*{torch.finfo(dtype).bits // 8} B; {self.cache.total_bytes / 2**20:.1f} MiB allocated")
+              f"*{value}; {self.cache.total_bytes / 2**20:.1f} MiB allocated")
 
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()

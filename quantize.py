@@ -1,0 +1,215 @@
+"""
+quantize.py -- int8: fewer bytes per value, fewer bytes per step.
+
+The lesson: decode is memory-bound. A decode step at small batch reads every
+weight once and does ~2 FLOPs per weight per sequence, so its time is
+
+    step time ~ (weight bytes + KV cache bytes) / memory bandwidth
+
+and halving the bytes per value halves the step. Weight-only int8 stores
+each linear layer's weight as 8-bit integers plus one float scale per output
+row (per-output-channel, symmetric absmax):
+
+    scale[o] = max_i |W[o, i]| / 127        q[o, i] = round(W[o, i] / scale[o])
+    y[o]     = sum_i x[i] * W[o, i]  ~=  scale[o] * sum_i x[i] * q[o, i]
+
+The scale factors out of the sum, so the matmul runs on the integers and the
+dequantization is one multiply per output. Activations stay in floating
+point ("weight-only"): they are small at decode time and carry outliers that
+8 bits would clip. The rounding error per weight is at most scale / 2, so
+one outlier in a row coarsens the whole row: that is what per-channel (not
+per-tensor) scales limit.
+
+What gets quantized: every nn.Linear (q, k, v, o projections, the MLP's
+gate/up/down, and the LM head). The token embedding stays in floating point:
+a lookup reads only N rows per step, not the whole table, so it costs no
+bandwidth. With tied embeddings (SmolLM2) the LM head becomes an int8 copy
+and the float table remains for the lookup.
+
+The int8 KV cache does the same to the cache: K and V stored as int8 with
+one float32 scale per (token, head), dequantized when paged attention reads
+the blocks. Bytes per token: 2 * layers * kv_heads * (head_dim * 1 + 4).
+
+Place in the data flow: LLM(quantization="int8") calls quantize_model() right
+after load_model(); LLM(kv_cache_dtype="int8") builds an Int8KVCache instead
+of a KVCache. perplexity() and eval_text() measure what the bytes cost in
+quality (bench.py, tests/test_quantize.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from cache import KVCache
+
+QMAX = 127   # symmetric: [-127, 127], so -q is always representable
+
+
+# ----------------------------------------------------------------------------
+# The quantizer
+# ----------------------------------------------------------------------------
+
+def quantize_int8(w: torch.Tensor, dim: int = -1):
+    """Symmetric absmax int8 along `dim`: w ~= q * scale.
+
+    Returns q (int8, w's shape) and scale (float32, w's shape without `dim`).
+    An all-zero slice gets scale 1 (q is 0 there anyway) so nothing divides by 0.
+    """
+    absmax = w.detach().abs().amax(dim=dim, keepdim=True).float()
+    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
+    q = torch.round(w.float() / scale).clamp(-QMAX, QMAX).to(torch.int8)
+    return q, scale.squeeze(dim)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dim: int = -1, dtype=torch.float32):
+    """The float tensor the int8 one stands for: q * scale (broadcast along `dim`)."""
+    return q.to(dtype) * scale.unsqueeze(dim).to(dtype)
+
+
+class Int8Linear(nn.Module):
+    """A drop-in nn.Linear with an int8 weight [out, in] and a scale per output row.
+
+    forward computes (x @ q^T) * scale (+ bias): the same function as F.linear
+    on the dequantized weight. On CUDA, torch.compile fuses the int8->float
+    conversion into the matmul's weight read. On CPU with bfloat16
+    activations, torch._weight_int8pack_mm is a kernel that reads the int8
+    weight directly (measured here: the 49152x576 LM head at batch 1 took
+    2.6 ms against 10 ms for float32 F.linear); with float32 activations the
+    same kernel is slower than float, so float32 takes the generic path.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        q, scale = quantize_int8(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", q)          # [out, in] int8: 1 byte per value
+        self.register_buffer("scale", scale)       # [out] float32
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x):
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scale.to(x.dtype))
+            y = y.view(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
+    """Swap every nn.Linear of `model` for an Int8Linear, in place.
+
+    One layer at a time: the float weight of a replaced layer is freed before
+    the next is quantized, so the peak is the float model plus one int8 layer,
+    never two copies of the model.
+    """
+    if method != "int8":
+        raise ValueError(f"unknown quantization {method!r}; the supported method is 'int8'")
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise ValueError("the model is already quantized; load a fresh float model to quantize it again")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child))
+    return model
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step reads for its matmuls: every linear layer's weight,
+    scales and bias, measured from the tensors (the embedding is a lookup)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, Int8Linear)):
+            total += sum(t.numel() * t.element_size() for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    return total
+
+
+# ----------------------------------------------------------------------------
+# The int8 KV cache
+# ----------------------------------------------------------------------------
+
+def int8_kv_cache_bytes(cfg, num_tokens: int = 1) -> int:
+    """2 (K, V) * layers * kv_heads * (head_dim int8 values + one float32 scale) * tokens."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + 4) * num_tokens
+
+
+class Int8KVCache(KVCache):
+    """KVCache storing int8 K, V [L, blocks, block_size, n_kv, d] and float32
+    scales [L, blocks, block_size, n_kv], one per token and head.
+
+    Only write (quantize) and blocks (dequantize) differ: paged attention in
+    cache.py and kernels.py reads through blocks(), so it works unchanged and
+    sees K, V in the model's dtype.
+    """
+
+    def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget is too small for a single block")
+        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=torch.int8)
+        self.v = torch.zeros(shape, device=device, dtype=torch.int8)
+        self.k_scale = torch.zeros(shape[:-1], device=device, dtype=torch.float32)
+        self.v_scale = torch.zeros(shape[:-1], device=device, dtype=torch.float32)
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.bytes_per_token = int8_kv_cache_bytes(cfg)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale))
+
+    def write(self, layer: int, slots, k, v):
+        """Quantize each new token's k, v [N, n_kv, d] per (token, head), then store."""
+        for values, store, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            q, scale = quantize_int8(values)                        # [N, n_kv, d], [N, n_kv]
+            store[layer].view(-1, *q.shape[1:]).index_copy_(0, slots, q)
+            scales[layer].view(-1, scale.shape[1]).index_copy_(0, slots, scale)
+
+    def blocks(self, layer: int, block_ids):
+        k = dequantize_int8(self.k[layer][block_ids], self.k_scale[layer][block_ids], dtype=self.dtype)
+        v = dequantize_int8(self.v[layer][block_ids], self.v_scale[layer][block_ids], dtype=self.dtype)
+        return k, v                                                  # [*S, bs, n_kv, d]
+
+    def copy_block(self, src: int, dst: int):
+        super().copy_block(src, dst)
+        self.k_scale[:, dst] = self.k_scale[:, src]
+        self.v_scale[:, dst] = self.v_scale[:, src]
+
+
+# ----------------------------------------------------------------------------
+# Quality: perplexity on a fixed English text
+# ----------------------------------------------------------------------------
+
+EVAL_TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures", "eval_text.txt")
+
+
+def eval_text() -> str:
+    """The evaluation text: English prose written for this project, shipped
+    with it, so the figure is the same on every machine and offline."""
+    with open(EVAL_TEXT_PATH, encoding="utf-8") as f:
+        return f.read()
+
+
+@torch.inference_mode()
+def perplexity(model: nn.Module, token_ids: list[int], window: int = 512) -> float:
+    """exp(mean negative log-likelihood) of each token given the ones before it.
+
+    The text is cut into windows of `window` predicted tokens, each run through
+    the dense path (no cache); every token after the first is predicted once.
+    Lower is better; a uniform guess over V tokens scores V.
+    """
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least two tokens")
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = torch.tensor(token_ids[start:start + window + 1], device=device)   # window + 1 tokens
+        logits = model(chunk[:-1], torch.arange(len(chunk) - 1, device=device))     # [T, V]
+        nll += F.cross_entropy(logits.float(), chunk[1:], reduction="sum").item()
+        count += len(chunk) - 1
+    return math.exp(nll / count)
