@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import KVCache
+from cache import KVCache, store_rows
 
 QMAX = 127   # symmetric: [-127, 127], so -q is always representable
 
@@ -120,14 +120,17 @@ def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
     return model
 
 
-def linear_weight_bytes(model: nn.Module) -> int:
-    """Bytes a decode step reads for its matmuls: every linear layer's weight,
-    scales and bias, measured from the tensors (the embedding is a lookup)."""
-    total = 0
+def decode_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads, measured from the tensors:
+    every parameter and buffer of every layer (a tensor shared by two layers,
+    like a tied head, once), except the embedding table, of which a lookup
+    reads only the N rows it needs."""
+    tensors = {}
     for m in model.modules():
-        if isinstance(m, (nn.Linear, Int8Linear)):
-            total += sum(t.numel() * t.element_size() for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
-    return total
+        if next(m.children(), None) is None and not isinstance(m, nn.Embedding):
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                tensors[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(tensors.values())
 
 
 # ----------------------------------------------------------------------------
@@ -167,8 +170,8 @@ class Int8KVCache(KVCache):
         """Quantize each new token's k, v [N, n_kv, d] per (token, head), then store."""
         for values, store, scales in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             q, scale = quantize_int8(values)                        # [N, n_kv, d], [N, n_kv]
-            store[layer].view(-1, *q.shape[1:]).index_copy_(0, slots, q)
-            scales[layer].view(-1, scale.shape[1]).index_copy_(0, slots, scale)
+            store_rows(store[layer], slots, q)
+            store_rows(scales[layer], slots, scale)
 
     def blocks(self, layer: int, block_ids):
         k = dequantize_int8(self.k[layer][block_ids], self.k_scale[layer][block_ids], dtype=self.dtype)

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache import AttentionContext, BlockManager, KVCache, kv_cache_bytes, num_blocks_for_budget
+from cache import AttentionContext, BlockManager, KVCache, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
+from kernels import CompiledDecoder, choose_weight_layout
 from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter, rejection_sample_batched
 from model import default_model_path, load_model
 from quantize import Int8KVCache, int8_kv_cache_bytes, quantize_model
@@ -398,8 +399,6 @@ class LLM:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if kv_cache_dtype not in (None, "int8"):
             raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
-        if compile:
-            raise ValueError("compile=True is not available yet in this version (kernels.py is still to come)")
         self.path = path or default_model_path()
         self.model, self.config = load_model(self.path, device=self.device, dtype=dtype)
         if quantization is not None:       # int8 weights: a quarter of fp32's bytes per step
@@ -418,19 +417,32 @@ class LLM:
             else:
                 kv_cache_bytes = 1 << 30     # 1 GiB on CPU; set kv_cache_bytes to change it
         num_blocks = num_blocks_for_budget(per_token, block_size, kv_cache_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is too small for one block of "
-                             f"{block_size} tokens ({per_token * block_size} bytes)")
+        scratch = 1 if compile else 0      # kernels.py: padded rows write into a block no sequence owns
+        if num_blocks < 1 + scratch:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is too small for {1 + scratch} block(s) of "
+                             f"{block_size} tokens ({per_token * block_size} bytes each)")
         self.cache = (Int8KVCache if int8_kv else KVCache)(self.config, num_blocks, block_size, self.device, dtype)
+        num_blocks -= scratch              # the last block of the pool is the scratch block
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         # The longest sequence that can ever run: the context, or the whole pool.
         self.max_len = min(self.config.max_seq_len, num_blocks * block_size)
         c = self.config
-        value = "(1 B + 4 B scale / head_dim)" if int8_kv else f"{torch.finfo(dtype).bits // 8} B"
+        value = f"(1 B + 4/{c.head_dim} B of scale)" if int8_kv else f"{torch.finfo(dtype).bits // 8} B"
         print(f"nanoinfer: KV cache {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} "
               f"tokens; {per_token} B/token = 2*{c.n_layers} layers*{c.n_kv_heads} kv heads*{c.head_dim} dims"
               f"*{value}; {self.cache.total_bytes / 2**20:.1f} MiB allocated")
+
+        # compile=True: pure decode steps run through torch.compile (kernels.py),
+        # every batch-size bucket compiled now rather than in the middle of serving.
+        self.decoder, self.compile_seconds = None, 0.0
+        if compile:
+            layout = choose_weight_layout(self.model)
+            self.decoder = CompiledDecoder(self.model, self.cache, max_num_seqs,
+                                           math.ceil(self.max_len / block_size), scratch_block=num_blocks)
+            self.compile_seconds = self.decoder.warmup()
+            print(f"nanoinfer: compiled decode for batch buckets {self.decoder.batch_sizes} and table widths "
+                  f"{self.decoder.widths} in {self.compile_seconds:.1f} s (weight layout: {layout})")
 
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
@@ -597,6 +609,13 @@ class LLM:
         """Flatten the scheduled tokens of all sequences into one forward pass."""
         work = [(it.seq.seq_id, (it.seq.token_ids[it.start:] + it.seq.draft_tokens)[:it.count], it.start, it.slots)
                 for it in batch]   # a prefill chunk, or the last sampled token (+ drafts to verify)
+        if self.decoder is not None and all(len(w[1]) == 1 for w in work) \
+                and len(work) <= self.decoder.batch_sizes[-1]:
+            # pure decode (one token per sequence): the compiled step, logits for every row
+            apply_pending_copies(self.cache, self.block_manager)
+            logits = self.decoder([w[1][0] for w in work], [w[2] for w in work], [w[3][0] for w in work],
+                                  [self.block_manager.tables[w[0]] for w in work])
+            return logits[logits_rows]
         input_ids, positions, ctx = AttentionContext.build(self.cache, self.block_manager, work,
                                                            logits_rows, self.device)
         return self.model(input_ids, positions, ctx)

@@ -6,7 +6,7 @@ To pass, implement:
     all-zero or outlier rows give no NaN or inf;
   * Int8Linear: computes exactly F.linear on the dequantized weight;
   * quantize_model(model, "int8"): swaps every nn.Linear in place, rejects an
-    unknown method and an already quantized model; linear_weight_bytes shows
+    unknown method and an already quantized model; decode_weight_bytes shows
     a quarter of float32's bytes;
   * Int8KVCache: quantize on write, dequantize in blocks(); paged attention
     over it stays close to the float cache;
@@ -24,7 +24,7 @@ from conftest import tiny_config, tiny_model
 from cache import KVCache, paged_attention
 from model import generate
 from quantize import (Int8KVCache, Int8Linear, dequantize_int8, eval_text, int8_kv_cache_bytes,
-                      linear_weight_bytes, perplexity, quantize_int8, quantize_model)
+                      decode_weight_bytes, perplexity, quantize_int8, quantize_model)
 from scheduler import LLM, SamplingParams
 
 
@@ -62,14 +62,14 @@ def test_int8_linear_equals_linear_on_dequantized_weight():
 
 def test_quantize_model_swaps_every_linear_and_quarters_the_bytes():
     model = tiny_model(seed=1, tie_embeddings=False)
-    fp32_bytes = linear_weight_bytes(model)
-    bf16_bytes = linear_weight_bytes(tiny_model(seed=1, tie_embeddings=False).to(torch.bfloat16))
+    fp32_bytes = decode_weight_bytes(model)
+    bf16_bytes = decode_weight_bytes(tiny_model(seed=1, tie_embeddings=False).to(torch.bfloat16))
     ids = torch.randint(0, 512, (20,))
     ref = model(ids, torch.arange(20))
     quantize_model(model, "int8")
     assert not any(isinstance(m, nn.Linear) for m in model.modules()), "some nn.Linear was not quantized"
     assert isinstance(model.embed_tokens, nn.Embedding) and model.embed_tokens.weight.dtype == torch.float32
-    int8_bytes = linear_weight_bytes(model)
+    int8_bytes = decode_weight_bytes(model)
     assert 0.25 <= int8_bytes / fp32_bytes < 0.27, f"int8/fp32 bytes = {int8_bytes / fp32_bytes:.3f}"
     assert 0.5 <= int8_bytes / bf16_bytes < 0.54, f"int8/bf16 bytes = {int8_bytes / bf16_bytes:.3f}"
     out = model(ids, torch.arange(20))
