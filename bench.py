@@ -70,6 +70,8 @@ class Bench:
         """An engine on the bench's model and device, without its start-up chatter."""
         kw.setdefault("device", str(self.device))
         kw.setdefault("dtype", self.dtype)
+        # A fixed pool, not "most of the free memory": experiments hold two engines at once.
+        kw.setdefault("kv_cache_bytes", (8 << 30) if self.device.type == "cuda" else (1 << 30))
         with contextlib.redirect_stdout(io.StringIO()):
             return LLM(self.path, **kw)
 

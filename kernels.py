@@ -85,6 +85,17 @@ class DecodeContext:
         return paged_decode_attention(q, self.cache, layer, self.block_tables, self.seq_lens)
 
 
+def decode_step(model, cache, tokens, positions, slots, tables):
+    """One eager decode step (one new token per sequence) through the
+    vectorized attention: the engine's decode path when not compiled.
+    Tables are padded with their own first block (masked out by seq_lens)."""
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=cache.k.device)   # noqa: E731
+    width = max(map(len, tables))
+    ctx = DecodeContext(cache, as_tensor(slots), as_tensor([t + t[:1] * (width - len(t)) for t in tables]),
+                        as_tensor([p + 1 for p in positions]))
+    return model(as_tensor(tokens), as_tensor(positions), ctx)                        # [B, V]
+
+
 # ----------------------------------------------------------------------------
 # Weight layout: read the weights at the machine's bandwidth
 # ----------------------------------------------------------------------------

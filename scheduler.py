@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import AttentionContext, BlockManager, KVCache, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
-from kernels import CompiledDecoder, choose_weight_layout
+from kernels import CompiledDecoder, choose_weight_layout, decode_step
 from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter, rejection_sample_batched
 from model import default_model_path, load_model
 from quantize import Int8KVCache, int8_kv_cache_bytes, quantize_model
@@ -609,12 +609,16 @@ class LLM:
         """Flatten the scheduled tokens of all sequences into one forward pass."""
         work = [(it.seq.seq_id, (it.seq.token_ids[it.start:] + it.seq.draft_tokens)[:it.count], it.start, it.slots)
                 for it in batch]   # a prefill chunk, or the last sampled token (+ drafts to verify)
-        if self.decoder is not None and all(len(w[1]) == 1 for w in work) \
-                and len(work) <= self.decoder.batch_sizes[-1]:
-            # pure decode (one token per sequence): the compiled step, logits for every row
+        if all(len(w[1]) == 1 for w in work):
+            # Pure decode (one token per sequence): the vectorized attention of
+            # kernels.py, compiled when compile=True. Logits for every row.
             apply_pending_copies(self.cache, self.block_manager)
-            logits = self.decoder([w[1][0] for w in work], [w[2] for w in work], [w[3][0] for w in work],
-                                  [self.block_manager.tables[w[0]] for w in work])
+            args = ([w[1][0] for w in work], [w[2] for w in work], [w[3][0] for w in work],
+                    [self.block_manager.tables[w[0]] for w in work])
+            if self.decoder is not None and len(work) <= self.decoder.batch_sizes[-1]:
+                logits = self.decoder(*args)
+            else:
+                logits = decode_step(self.model, self.cache, *args)
             return logits[logits_rows]
         input_ids, positions, ctx = AttentionContext.build(self.cache, self.block_manager, work,
                                                            logits_rows, self.device)
