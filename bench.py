@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import io
 import json
 import math
@@ -72,6 +73,9 @@ class Bench:
         kw.setdefault("dtype", self.dtype)
         # A fixed pool, not "most of the free memory": experiments hold two engines at once.
         kw.setdefault("kv_cache_bytes", (8 << 30) if self.device.type == "cuda" else (1 << 30))
+        gc.collect()                       # engines hold reference cycles: free the last one's pool first
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         with contextlib.redirect_stdout(io.StringIO()):
             return LLM(self.path, **kw)
 
@@ -525,9 +529,9 @@ def main(argv=None):
         fig["wall_seconds"] = time.perf_counter() - t0
         results[name] = fig
         print(f"\n## {name}\n\n{text}\n", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        if args.json:                      # after every experiment: a cut-short run keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
     return results
 
 

@@ -14,24 +14,29 @@ and at batch 1 a small model is far from it for reasons that are not bytes:
   * small elementwise ops (RMSNorm, RoPE, SiLU * up) each read and write
     their tensor again; fusing them removes the round trips.
 
-torch.compile gives all three from the same Python: it fuses elementwise ops
-(inductor), and with mode="reduce-overhead" it runs the compiled step as a
-CUDA graph. That mode is the one CUDA-specific line of this file; everything
-else runs, and is tested, on CPU.
+The vectorized attention below removes the loop; torch.compile does the
+rest from the same Python: it fuses elementwise ops (inductor), and with
+mode="reduce-overhead" it runs the compiled step as a CUDA graph. That mode
+is the one CUDA-specific line of this file; everything else runs, and is
+tested, on CPU. Measured on an H100 (README): the eager decode step of
+SmolLM2-135M took 38 ms at batch 1, all of it host overhead; compiled, 3.3 ms.
 
-CUDA graphs (and inductor's static-shape code) replay fixed shapes, so the
-engine pads each decode batch to a bucket of sizes (1, 2, 4, 8, 16, then
-multiples of 16) and each block table to a power-of-two width. Padded rows
+A CUDA graph replays fixed shapes, so the engine pads each decode batch to a
+bucket of sizes (1, 2, 4, 8, 16, then multiples of 16) and each block table
+to a power-of-two width: one recorded graph per (batch, width) bucket, all
+recorded at start-up (warm-up), never in the middle of serving. Padded rows
 are real rows of the graph: they write their k, v into a scratch block that
-no sequence owns, so they never touch a real sequence's cache. The number of
-compiled graphs is bounded by (batch buckets) x (width buckets), all
-compiled at start-up (warm-up), never in the middle of serving.
+no sequence owns, so they never touch a real sequence's cache. Inductor
+itself compiles batch size and width as symbolic sizes, so the compiled
+code is shared by every bucket (plus one specialization for batch 1): the
+compile cost does not grow with the number of buckets.
 
-Place in the data flow: LLM(compile=True) builds a CompiledDecoder. In
-LLM.step(), a batch in which every sequence feeds exactly one token (pure
-decode) goes through CompiledDecoder; prefill and verification steps stay
-eager through cache.AttentionContext. Both end in Transformer.forward(...,
-ctx): this file only supplies another ctx whose attend() is vectorized.
+Place in the data flow: in LLM.step(), a batch in which every sequence feeds
+exactly one token (pure decode) goes through decode_step() below, or through
+CompiledDecoder when LLM(compile=True); prefill and verification steps use
+the reference paged attention through cache.AttentionContext. All end in
+Transformer.forward(..., ctx): this file only supplies another ctx whose
+attend() is vectorized.
 """
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ def offline(tiny_path):
 
 
 def request(server, method, path, body=None, raw=None):
+    """One real HTTP exchange on a fresh connection: (status, JSON or text body)."""
     host, port = server.server_address[:2]
     conn = http.client.HTTPConnection(host, port, timeout=60)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
@@ -164,6 +165,7 @@ def test_concurrent_clients_get_offline_answers(server, offline):
         assert status == 200
         results[i] = ("".join(c["choices"][0]["text"] for c in sse(payload) if c["choices"])
                       if i % 2 == 0 else payload["choices"][0]["text"])
+    # 16 clients at once, half streaming: they share the engine's batches
     threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
     [t.start() for t in threads]
     [t.join(60) for t in threads]
@@ -240,6 +242,7 @@ def test_full_waiting_queue_answers_503(tiny_path):
         def client():
             statuses.append(request(srv, "POST", "/v1/completions",
                                     {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "temperature": 0})[0])
+        # one seat (max_num_seqs=1) and one waiting place: of 6 simultaneous clients some must get 503
         threads = [threading.Thread(target=client) for _ in range(6)]
         [t.start() for t in threads]
         [t.join(120) for t in threads]
