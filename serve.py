@@ -38,6 +38,7 @@ import json
 import os
 import queue
 import select
+import signal
 import socket
 import sys
 import threading
@@ -585,6 +586,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("\nnanoinfer: shutting down")
     finally:                                        # serve_forever has returned: close the socket
+        signal.signal(signal.SIGINT, signal.SIG_IGN)    # a second Ctrl-C must not interrupt the shutdown
         server.server_close()
         server.engine.stop()
 
