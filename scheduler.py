@@ -379,6 +379,14 @@ class LLM:
 
     Offline use: llm.generate(prompts, params). Online use (serve.py):
     add_request() / step() / abort() from one engine thread.
+
+    The options, each the lesson of its own file:
+      quantization="int8"    int8 weight-only linears (quantize.py); on CPU,
+                             dtype "auto" then means bf16 activations
+      kv_cache_dtype="int8"  the KV pool stores int8 + a scale per token and head
+      compile=True           pure decode steps through torch.compile with batch
+                             buckets (kernels.py; CUDA graphs on a GPU)
+      speculative="ngram" | draft model directory, num_speculative_tokens=k
     """
 
     def __init__(self, path=None, device="auto", dtype="auto", block_size=16, kv_cache_bytes=None,
