@@ -18,7 +18,8 @@ bound the lecture predicts next to the measurement:
   peer                  Hugging Face transformers' generate on the same workload (if installed)
 
     python bench.py                      # everything, best device, default model
-    python bench.py --quick              # a smoke run of every experiment (about a minute on CPU)
+    python bench.py --quick              # a smoke run of every experiment (2 min on a 2-core CPU,
+                                         # plus a few the first time torch.compile builds its code)
     python bench.py --only batching,compile --json results.json
 Tables print as Markdown (paste them into the README); --json writes every
 figure with the device, dtype, torch version and date.
