@@ -87,7 +87,10 @@ class Int8Linear(nn.Module):
         q, scale = quantize_int8(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight", q)          # [out, in] int8: 1 byte per value
-        self.register_buffer("scale", scale)       # [out] float32
+        # [out], in the model's dtype: a bf16 model's kernel wants bf16 scales, and
+        # a conversion inside forward would be one more op per layer (and one that
+        # inductor's lowering of _weight_int8pack_mm refuses).
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x):

@@ -144,3 +144,14 @@ def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     assert compiled == eager, "compiled decode changed a greedy output"
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled after warm-up"
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_compiled_int8_engine_equals_eager(tiny_path):
+    """int8 weights (bf16 activations, the CPU int8 kernel) through the compiled step."""
+    prompts = [[5, 6, 7], list(range(100, 121)), [9, 8, 7, 6]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (9, 5, 12)]
+    kw = dict(device="cpu", quantization="int8", max_num_seqs=2, kv_cache_bytes=1 << 22, block_size=4)
+    eager = _run_staggered(LLM(tiny_path, **kw), prompts, params)
+    llm = LLM(tiny_path, compile=True, **kw)
+    assert llm.dtype == torch.bfloat16
+    assert _run_staggered(llm, prompts, params) == eager, "compiled int8 decode changed a greedy output"
