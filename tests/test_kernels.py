@@ -146,12 +146,29 @@ def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-def test_compiled_int8_engine_equals_eager(tiny_path):
-    """int8 weights (bf16 activations, the CPU int8 kernel) through the compiled step."""
-    prompts = [[5, 6, 7], list(range(100, 121)), [9, 8, 7, 6]]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (9, 5, 12)]
-    kw = dict(device="cpu", quantization="int8", max_num_seqs=2, kv_cache_bytes=1 << 22, block_size=4)
-    eager = _run_staggered(LLM(tiny_path, **kw), prompts, params)
-    llm = LLM(tiny_path, compile=True, **kw)
-    assert llm.dtype == torch.bfloat16
-    assert _run_staggered(llm, prompts, params) == eager, "compiled int8 decode changed a greedy output"
+def test_compiled_int8_bf16_step_matches_eager():
+    """int8 weights with bf16 activations (the CPU int8 kernel) through the
+    compiled step. bf16 is not bit-exact across fusion (inductor keeps fused
+    intermediates in float32), so both paths are held to the same float32
+    computation instead: the compiled step may err no more than the eager one."""
+    import copy
+
+    from kernels import decode_step
+    from quantize import quantize_model
+    model = quantize_model(tiny_model(seed=5).to(torch.bfloat16))
+    exact = copy.deepcopy(model).float()                  # same int8 weights, float32 arithmetic
+    cache = KVCache(model.config, 9, 4, "cpu", torch.bfloat16)
+    torch.manual_seed(0)
+    cache.k.normal_(), cache.v.normal_()
+    cache32 = KVCache(model.config, 9, 4, "cpu", torch.float32)
+    cache32.k.copy_(cache.k), cache32.v.copy_(cache.v)
+    tables, positions = [[0, 1], [2, 3, 4]], [6, 9]
+    slots = [t[p // 4] * 4 + p % 4 for t, p in zip(tables, positions)]
+    with torch.inference_mode():
+        truth = decode_step(exact, cache32, [5, 6], positions, slots, tables)
+        eager = decode_step(model, cache, [5, 6], positions, slots, tables).float()
+        dec = CompiledDecoder(model, cache, max_num_seqs=2, max_blocks_per_seq=4, scratch_block=8)
+        compiled = dec([5, 6], positions, slots, tables).float()
+    err = lambda x: ((x - truth).norm() / truth.norm()).item()   # noqa: E731
+    assert err(eager) < 0.03, f"eager bf16 int8 step is {err(eager):.4f} from float32"
+    assert err(compiled) < 1.5 * err(eager), f"compiled {err(compiled):.4f} vs eager {err(eager):.4f} from float32"
