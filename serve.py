@@ -122,6 +122,8 @@ class Engine:
 
     def _loop(self):
         llm = self.llm
+        if llm.decoder is not None:    # compile=True: CUDA graphs are recorded per thread, so
+            llm.decoder.warmup()       # replay every bucket once here, before the first request
         while not self._stop.is_set():
             # Idle: sleep until a request arrives. Busy: take what has arrived, then step.
             try:
