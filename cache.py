@@ -64,8 +64,9 @@ def num_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: i
 # The one in-place write into the pool. It is a registered custom op rather
 # than a bare index_copy_ because torch.compile (kernels.py) functionalizes
 # in-place updates of its inputs: traced as index_copy_, every write became a
-# copy of the whole pool (measured: 1.2 s per step for a 1 GB pool, against
-# 0.1 ms eager). An opaque op that declares what it mutates stays in place.
+# copy of the whole pool (measured: 1.2 s for one step's 30 layer writes into
+# a 0.74 GB pool, against 0.1 ms eager). An opaque op that declares what it
+# mutates stays in place.
 @torch.library.custom_op("nanoinfer::store_rows", mutates_args=("dst",))
 def store_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
     """dst viewed as rows [num_slots, *src.shape[1:]]: dst[slots[i]] = src[i]."""
