@@ -443,9 +443,9 @@ class LLM:
 
         # compile=True: pure decode steps run through torch.compile (kernels.py),
         # every batch-size bucket compiled now rather than in the middle of serving.
-        self.decoder, self.compile_seconds = None, 0.0
+        self.decoder, self.compile_seconds, self.weight_layout = None, 0.0, "default"
         if compile:
-            layout = choose_weight_layout(self.model)
+            layout = self.weight_layout = choose_weight_layout(self.model)
             self.decoder = CompiledDecoder(self.model, self.cache, max_num_seqs,
                                            math.ceil(self.max_len / block_size), scratch_block=num_blocks)
             self.compile_seconds = self.decoder.warmup()

@@ -109,6 +109,7 @@ def test_compile(results):
     for k in ("compile_seconds", "eager_ms_batch1", "compiled_ms_batch1", "eager_ms_batch4", "compiled_ms_batch4"):
         positive(r[k], k)
     assert r["speedup_batch1"] == pytest.approx(r["eager_ms_batch1"] / r["compiled_ms_batch1"])
+    assert r["weight_layout"] in ("default", "transposed")
 
 
 def test_peer(results):
