@@ -86,6 +86,9 @@ class Bench:
 
     def timeit(self, fn, repeats: int, warmup: int = 1) -> float:
         """Median seconds of fn() over repeats, after warm-up calls."""
+        # Warm-up first: the first call pays for allocator growth, lazy
+        # initialisation and (with torch.compile) compilation, none of which
+        # is the steady-state cost we want to compare.
         for _ in range(warmup):
             fn()
         self.sync()
@@ -93,8 +96,10 @@ class Bench:
         for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
-            self.sync()
+            self.sync()                     # GPU work is asynchronous: wait for it, or we time the launch
             times.append(time.perf_counter() - t0)
+        # The median, not the mean: on a shared machine one slow outlier (another
+        # process, a page fault) should not move the figure.
         return statistics.median(times)
 
     @staticmethod
@@ -112,6 +117,8 @@ class Bench:
     def bandwidth(self) -> float:
         """Bytes/s of a large copy, counting bytes read + written."""
         if "bandwidth" not in self.machine:
+            # Far larger than any cache (256 MB), so the copy streams from DRAM/HBM:
+            # this is the denominator of the decode roofline.
             n = self.q(256, 32) * 2**20 // 4
             a, b = torch.randn(n, device=self.device), torch.empty(n, device=self.device)
             self.machine["bandwidth"] = 2 * a.numel() * 4 / self.timeit(lambda: b.copy_(a), self.q(10, 3))
@@ -120,6 +127,8 @@ class Bench:
     def flops(self, dtype) -> float:
         """FLOP/s of a square matmul in the engine's dtype."""
         if "flops" not in self.machine:
+            # A big square matmul is the most compute-bound op there is: its rate
+            # is the ceiling prefill can approach (the other roofline).
             n = self.q(4096 if self.device.type == "cuda" else 1024, 256)
             a = torch.randn(n, n, device=self.device, dtype=dtype)
             self.machine["flops"] = 2 * n**3 / self.timeit(lambda: a @ a, self.q(10, 3))
@@ -128,7 +137,7 @@ class Bench:
 
 def table(headers, rows) -> str:
     """A Markdown table; floats get 3 significant digits."""
-    def fmt(x):
+    def fmt(x):        # 3 significant digits: the noise of a shared machine is larger than that
         if isinstance(x, float):
             return f"{x:.3g}" if abs(x) < 1e5 else f"{x:.3e}"
         return str(x)
@@ -137,16 +146,12 @@ def table(headers, rows) -> str:
     return "\n".join(lines)
 
 
-def run_all(llm, prompts, params):
-    """Submit everything at once, step until done. Returns (seconds, outputs)."""
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return time.perf_counter() - t0, outs
-
-
 def decode_step_seconds(b: Bench, llm, batch: int, context: int, steps: int) -> float:
     """Median time of one engine step with `batch` sequences decoding at
     ~`context` tokens each (prefill done first, not timed)."""
+    # Random token ids are fine here: a step's cost depends on how many tokens
+    # and how much context, never on which tokens (and ignore_eos keeps every
+    # sequence alive for the whole measurement).
     rng = random.Random(batch)
     vocab = llm.config.vocab_size
     ids = [llm.add_request([rng.randrange(vocab) for _ in range(context)],
@@ -154,8 +159,8 @@ def decode_step_seconds(b: Bench, llm, batch: int, context: int, steps: int) -> 
     started = set()
     while len(started) < batch:                           # prefill (maybe chunked) until all decode
         started |= {o.request_id for o in llm.step() if o.outputs[0].token_ids}
-    t = b.timeit(llm.step, steps, warmup=2)
-    for rid in ids:
+    t = b.timeit(llm.step, steps, warmup=2)   # every timed step is a pure decode of `batch` tokens
+    for rid in ids:                           # give the blocks back for the next measurement
         llm.abort(rid)
     return t
 
@@ -163,6 +168,8 @@ def decode_step_seconds(b: Bench, llm, batch: int, context: int, steps: int) -> 
 def model_flops_per_token(cfg, context: int) -> float:
     """2 FLOPs per weight of every matmul, plus attention's QK^T and PV over the context."""
     d, h, kv, hd, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    # q, k, v, o projections + gate, up, down (each 2 * in * out), then attention:
+    # QK^T and PV are each 2 * H * head_dim FLOPs per cached token.
     per_layer = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f) + 4 * h * hd * context
     return cfg.n_layers * per_layer + 2 * d * cfg.vocab_size
 
@@ -171,6 +178,9 @@ def model_flops_per_token(cfg, context: int) -> float:
 def paged_perplexity(llm, ids: list[int], chunk: int = 256) -> float:
     """Perplexity through the engine's own path: paged KV cache (int8 if so
     configured), chunked prefill, every position's logits."""
+    # The same steps LLM.step takes for a prefill, done by hand so that every
+    # position's logits come back (the engine keeps only the last). Sequence
+    # id -1 never collides with the engine's own ids, which count from 0.
     bm, sid, nll = llm.block_manager, -1, 0.0
     bm.allocate(sid, [])
     for start in range(0, len(ids) - 1, chunk):
@@ -188,6 +198,8 @@ def paged_perplexity(llm, ids: list[int], chunk: int = 256) -> float:
 def workload(b: Bench, vocab: int, seed: int = 0):
     """The heterogeneous workload: prompt and output lengths from a wide,
     skewed (log-uniform) distribution, fixed seed."""
+    # Log-uniform: as many short requests as long ones per factor of two, the
+    # mix that makes static batching wait for its longest member.
     rng = random.Random(seed)
     n, lo, hi = b.q(64, 8), b.q(16, 4), b.q(256, 32)
     draw = lambda: int(math.exp(rng.uniform(math.log(lo), math.log(hi))))   # noqa: E731
@@ -207,15 +219,21 @@ def exp_roofline(b: Bench):
     W, kv = decode_weight_bytes(llm.model), llm.cache.bytes_per_token
     context = b.q(512, 32)
     flop_tok = model_flops_per_token(cfg, context)
+    # The lecture's decode bound: a batch-1 step must read every weight and the
+    # sequence's whole KV cache once, so it cannot beat bytes / bandwidth.
     decode_bound = (W + kv * context) / bw
     b.progress("roofline: decode step at batch 1")
     decode = decode_step_seconds(b, llm, 1, context, b.q(10, 3))
     b.progress("roofline: prefill")
     prompt = list(range(10, 10 + context))
     prefill = b.timeit(lambda: llm.generate([prompt], SamplingParams(max_tokens=1)), b.q(5, 2))
+    # Prefill does `context` tokens per weight read: FLOPs dominate, so its bound
+    # is the compute time (or the weight read, if that were longer).
     prefill_bound = max(flop_tok * context / flops, W / bw)
     rows = []
     for B in (1, 4, 16, 64, 256):
+        # B sequences share one read of the weights but each reads its own KV
+        # cache: intensity grows ~B until the KV bytes dominate the weights.
         step_flops, step_bytes = flop_tok * B, W + kv * context * B
         t = max(step_bytes / bw, step_flops / flops)
         rows.append([B, step_flops / step_bytes, "memory" if step_bytes / bw >= step_flops / flops else "compute",
@@ -243,8 +261,12 @@ def exp_kv_cache(b: Bench):
     llm = b.llm(max_num_seqs=1)
     prompt = llm.tokenizer.encode(eval_text())[:32]
     rows, fig = [], {"lengths": []}
+    # Naive generation re-runs the whole sequence every step (O(T^2) token
+    # passes); with the cache each step is one token (O(T)). So the speedup
+    # must grow with the output length, and the tokens must be the same.
     for n in b.q([32, 128, 256], [8, 16]):
         b.progress(f"kv-cache: {n} tokens, naive")
+        # (no warm-up for the long naive runs: they take minutes and warm themselves)
         t_naive = b.timeit(lambda: generate(llm.model, prompt, n), b.q(3, 1), warmup=0 if n > 64 else 1)
         naive_ids = generate(llm.model, prompt, n)
         b.progress(f"kv-cache: {n} tokens, cached")
@@ -262,6 +284,8 @@ def exp_batching(b: Bench):
     max_b = b.q(256 if b.device.type == "cuda" else 64, 4)
     context = b.q(128, 16)
     llm = b.llm(max_num_seqs=max_b)
+    # "Up to the memory limit": never ask for more sequences than the KV pool holds
+    # (context + timed steps + warm-up and slack per sequence).
     per_seq = context + b.q(10, 3) + 80
     max_b = min(max_b, llm.block_manager.num_blocks * llm.block_manager.block_size // per_seq)
     bw, flops = b.bandwidth(), b.flops(llm.dtype)
@@ -274,6 +298,9 @@ def exp_batching(b: Bench):
         rows.append([B, t * 1e3, B / t, bound * 1e3, bound / t])
         fig["points"].append({"batch": B, "step_ms": t * 1e3, "tokens_per_s": B / t, "bound_ms": bound * 1e3})
         B *= 2
+    # The knee: while decode is memory-bound, adding sequences is nearly free
+    # (the step time stays flat, tokens/s grows ~B); once the step time has
+    # doubled, each extra sequence costs latency for everyone.
     base = fig["points"][0]["step_ms"]
     knee = next((p["batch"] for p in fig["points"] if p["step_ms"] >= 2 * base), None)
     fig["knee_batch"] = knee
@@ -285,6 +312,9 @@ def exp_batching(b: Bench):
 
 
 def _latency_stats(outs, t0, total_s):
+    """Throughput and the two latencies a user feels: time to first token
+    (queueing + prefill, measured from t0, when every request arrived) and
+    time per output token after the first (the decode step of the whole batch)."""
     ttft = sorted(o.metrics.first_token_time - t0 for o in outs)
     tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
             for o in outs if len(o.token_ids) > 1]
@@ -300,6 +330,9 @@ def exp_continuous_vs_static(b: Bench):
     prompts, lengths = workload(b, llm.config.vocab_size)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate([prompts[0]], params[0])                                   # warm-up
+    # Both runs use the same engine with the same seat count B; the only
+    # difference is when a seat may be refilled: at the end of the group
+    # (static) or at the very next step (continuous).
     b.progress("continuous-vs-static: static groups")
     t0, outs = time.perf_counter(), []
     for i in range(0, len(prompts), B):                                     # a group runs to completion
@@ -324,11 +357,15 @@ def exp_prefix(b: Bench):
     n, out = b.q(16, 4), b.q(8, 4)
     rows, fig = [], {}
     for caching in (False, True):
+        # A fresh engine each time, so the "off" run cannot profit from blocks
+        # the "on" run cached and vice versa.
         llm = b.llm(enable_prefix_caching=caching, max_num_seqs=n)
         system = llm.tokenizer.encode(eval_text())[:b.q(512, 48)]
         prompts = [system + llm.tokenizer.encode(f" Question {i}: what happens next?") for i in range(n + 1)]
         params = SamplingParams(max_tokens=out, ignore_eos=True)
-        llm.generate([prompts[0]], params)                     # the system prompt is seen once first
+        # The system prompt is seen once first, as in a chat service that has been
+        # running: with caching its full blocks are now in the pool's hash table.
+        llm.generate([prompts[0]], params)
         hits0, queries0 = llm.block_manager.prefix_hits, llm.block_manager.prefix_queries
         b.progress(f"prefix: caching {'on' if caching else 'off'}")
         t0 = time.perf_counter()
@@ -350,6 +387,9 @@ def exp_prefix(b: Bench):
 
 
 def _spec_prompts(llm, b: Bench):
+    # Two ends of the acceptance rate: asked to repeat a passage, the answer is
+    # in the prompt and prompt-lookup drafts are right; a story has nothing to
+    # look up, so the drafts are mostly rejected and only cost verify work.
     tok = llm.tokenizer
     passage = " ".join(eval_text().split()[:b.q(120, 30)])
     asks = {"copy-heavy": f"Repeat the following text exactly, word for word:\n\n{passage}",
@@ -382,7 +422,11 @@ def exp_speculative(b: Bench):
                 drafted = llm.stats["draft_tokens"] - s0["draft_tokens"]
                 alpha = (llm.stats["accepted_tokens"] - s0["accepted_tokens"]) / drafted if drafted else 0.0
                 per_pass = len(o.token_ids) / steps
-                pass_cost = (t_spec / steps) / (t_plain / plain_steps)       # a verify pass vs a decode pass
+                # The lecture's model: with acceptance a per draft token, a pass yields
+                # (1 - a^(k+1)) / (1 - a) tokens on average; the speedup is that over
+                # what one pass costs relative to a plain decode pass (k+1 query
+                # tokens cost more than 1 once a step is not purely memory-bound).
+                pass_cost = (t_spec / steps) / (t_plain / plain_steps)
                 expected = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
                 predicted = expected / pass_cost * (len(o.token_ids) / len(ref.token_ids))
                 run = {"workload": wname, "drafter": os.path.basename(drafter), "k": k, "alpha": alpha,
@@ -399,12 +443,16 @@ def exp_speculative(b: Bench):
 
 
 def exp_quantization(b: Bench):
+    # Float is the baseline; on CPU bf16 is added, because int8 there runs with
+    # bf16 activations and the fair question is what int8 adds over bf16.
     ids = None
     configs = [("float", {})]
     if b.device.type == "cpu" and b.dtype in ("auto", "float32"):
         configs.append(("bfloat16", {"dtype": "bfloat16"}))
     configs += [("int8 weights", {"quantization": "int8"}),
                 ("int8 weights + int8 KV", {"quantization": "int8", "kv_cache_dtype": "int8"})]
+    # Batch 1 is where bytes per step rule (int8 should win most); at a large
+    # batch the step leans toward compute and the int8 kernels' cost shows.
     big, context = b.q(16, 4), b.q(128, 16)
     rows, fig = [], {"configs": []}
     for name, kw in configs:
@@ -414,7 +462,7 @@ def exp_quantization(b: Bench):
             ids = llm.tokenizer.encode(eval_text())[:b.q(100000, 128)]
         t1 = decode_step_seconds(b, llm, 1, context, b.q(10, 3))
         tb = decode_step_seconds(b, llm, big, context, b.q(10, 3))
-        ppl = paged_perplexity(llm, ids)
+        ppl = paged_perplexity(llm, ids)     # through the paged path, so the int8 KV cache counts too
         c = {"name": name, "dtype": str(llm.dtype).replace("torch.", ""), "weight_bytes": decode_weight_bytes(llm.model),
              "kv_bytes_per_token": llm.cache.bytes_per_token, "tokens_per_s_batch1": 1 / t1,
              f"tokens_per_s_batch{big}": big / tb, "perplexity": ppl}
@@ -438,12 +486,17 @@ def exp_compile(b: Bench):
     e1, eb = (decode_step_seconds(b, eager, B, context, b.q(10, 3)) for B in (1, big))
     del eager
     b.progress("compile: compiling (warm-up of every bucket)")
+    # Construction compiles and warms up every bucket; that one-off cost is
+    # reported on its own (compile_seconds) and kept out of the step times.
     comp = b.llm(max_num_seqs=big, compile=True)
     b.progress("compile: compiled")
     c1, cb = (decode_step_seconds(b, comp, B, context, b.q(10, 3)) for B in (1, big))
-    decoder, comp.decoder = comp.decoder, None          # same weights and layout, eager step
+    # Split the gain in two: the same engine with its decoder switched off runs
+    # eagerly on the re-laid-out weights, isolating the layout from compilation.
+    decoder, comp.decoder = comp.decoder, None
     l1 = decode_step_seconds(b, comp, 1, context, b.q(10, 3))
     comp.decoder = decoder
+    # Compare the compiled batch-1 step with the same roofline as exp_roofline.
     bound = (decode_weight_bytes(comp.model) + comp.cache.bytes_per_token * context) / b.bandwidth()
     fig = {"compile_seconds": comp.compile_seconds, "weight_layout": comp.weight_layout, "eager_ms_batch1": e1 * 1e3, "compiled_ms_batch1": c1 * 1e3,
            "eager_layout_ms_batch1": l1 * 1e3, f"eager_ms_batch{big}": eb * 1e3,
@@ -476,9 +529,12 @@ def exp_peer(b: Bench):
         hf = LlamaForCausalLM.from_pretrained(b.path, dtype=llm.dtype).to(llm.device).eval()
     except Exception as e:                        # e.g. a shape transformers' config refuses
         return {"skipped": f"transformers cannot load {b.path}: {e}"}, f"Skipped: transformers cannot load the model ({e})."
+    # What a user without a serving engine would write: batches of B run to the
+    # longest request's length (generate has no continuous batching), padded on
+    # the left so every row's last token is a real one.
     pad = 0
     t0, tokens = time.perf_counter(), 0
-    for i in range(0, len(prompts), B):           # HF generate: static batches, left padding
+    for i in range(0, len(prompts), B):
         b.progress(f"peer: transformers, group {i // B + 1}")
         group, want = prompts[i:i + B], lengths[i:i + B]
         width = max(map(len, group))
@@ -517,6 +573,7 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
     b = Bench(args)
+    # Everything that makes a figure reproducible travels with it in the JSON.
     meta = {"device": torch.cuda.get_device_name(b.device) if b.device.type == "cuda" else
             f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
             "dtype": args.dtype, "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -524,7 +581,7 @@ def main(argv=None):
     print(f"# nanoinfer bench\n\n{meta['device']}, torch {meta['torch']}, model {os.path.basename(b.path)}, "
           f"dtype {args.dtype}, {meta['date']}")
     results = {"meta": meta}
-    for name in names:
+    for name in names:          # one after another: experiments never share a machine with each other
         t0 = time.perf_counter()
         fig, text = EXPERIMENTS[name](b)
         b.done()

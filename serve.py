@@ -61,6 +61,8 @@ class Histogram:
         self.counts, self.sum, self.count = [0] * len(self.buckets), 0.0, 0
 
     def observe(self, value: float):
+        # Prometheus buckets are cumulative ("<= le"), so a value counts in every
+        # bucket at or above it; a scraper derives quantiles from the differences.
         for i, b in enumerate(self.buckets):
             if value <= b:
                 self.counts[i] += 1
@@ -75,6 +77,8 @@ class Histogram:
         return lines
 
 
+# From 5 ms (one compiled GPU decode step) to 30 s (a long queue on a CPU):
+# roughly 2-2.5x apart, so any quantile is known to within a factor of ~2.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 # ----------------------------------------------------------------------------
@@ -92,6 +96,9 @@ class Engine:
 
     def __init__(self, llm: LLM, max_waiting: int = 256):
         self.llm, self.max_waiting = llm, max_waiting
+        # Handlers never call the LLM: they post messages here, and the engine
+        # thread applies them between steps, so no lock is needed around the
+        # scheduler, the block manager or the KV cache.
         self.inbox: queue.Queue = queue.Queue()        # ("add", rid, ids, params, q) | ("abort", rid)
         self.streams: dict[str, queue.Queue] = {}      # request id -> its handler's queue
         self.lock = threading.Lock()                   # guards the metrics below
@@ -106,9 +113,14 @@ class Engine:
 
     def submit(self, ids: list[int], params: SamplingParams) -> tuple[str, queue.Queue]:
         """Queue a request; its RequestOutput snapshots (or an exception) arrive on the queue."""
+        # Back-pressure: refuse rather than queue without bound. A request that
+        # would wait behind max_waiting others would likely time out anyway, and
+        # an unbounded queue turns overload into unbounded memory and latency.
+        # (Reading the deque's length from this thread is safe; being off by one
+        # under a race only moves the limit by one.)
         if len(self.llm.scheduler.waiting) + self.inbox.qsize() >= self.max_waiting:
             raise Overloaded(f"the server has {self.max_waiting} requests waiting; try again later")
-        rid, q = uuid.uuid4().hex, queue.Queue()
+        rid, q = uuid.uuid4().hex, queue.Queue()     # unguessable ids: one client cannot abort another's
         self.inbox.put(("add", rid, ids, params, q))
         return rid, q
 
@@ -125,7 +137,9 @@ class Engine:
         if llm.decoder is not None:    # compile=True: CUDA graphs are recorded per thread, so
             llm.decoder.warmup()       # replay every bucket once here, before the first request
         while not self._stop.is_set():
-            # Idle: sleep until a request arrives. Busy: take what has arrived, then step.
+            # Idle: sleep until a request arrives (the 0.5 s timeout only bounds how
+            # long stop() waits). Busy: never block, take whatever has arrived, then
+            # step: a new request joins the very next batch (continuous batching).
             try:
                 msgs = [self.inbox.get(timeout=0.5) if not llm.has_unfinished_requests() else self.inbox.get_nowait()]
             except queue.Empty:
@@ -141,6 +155,7 @@ class Engine:
                         self._last[rid] = (time.perf_counter(), 0)
                     except (ValueError, TypeError) as e:       # a bad request fails alone
                         q.put(e)
+                # An abort may race with the request finishing: only live ones count.
                 elif msg[0] == "abort" and msg[1] in self.streams:
                     llm.abort(msg[1])
                     self.streams.pop(msg[1])
@@ -158,6 +173,8 @@ class Engine:
                     q.put(RuntimeError("internal engine error"))
                 self.streams.clear()
                 continue
+            # Every request that moved gets a snapshot of its whole state (text so
+            # far, tokens, finish reason); the handler computes what is new.
             for out in outputs:
                 self._observe(out)
                 q = self.streams.get(out.request_id)
@@ -170,6 +187,9 @@ class Engine:
         """Token counters and latency histograms from each output snapshot."""
         now, m = time.perf_counter(), out.metrics
         tokens = sum(len(c.token_ids) for c in out.outputs)
+        # The first token's latency is TTFT (queueing + prefill); every later gap,
+        # divided by the tokens it brought (speculation can bring several), is
+        # the inter-token latency: one engine step of the whole batch.
         last_time, last_tokens = self._last.get(out.request_id, (now, tokens))
         with self.lock:
             if last_tokens == 0 and tokens > 0 and m.time_to_first_token is not None:
@@ -186,6 +206,8 @@ class Engine:
             self._last[out.request_id] = (now, tokens)
 
     def metrics_text(self) -> str:
+        # Gauges are read live from the engine's structures (a scrape may see them
+        # mid-step; each is a single len() or counter, so it is never torn).
         bm, sch = self.llm.block_manager, self.llm.scheduler
         gauges = [("requests_running", "Sequences in the running batch.", len(sch.running)),
                   ("requests_waiting", "Sequences waiting for a seat.", len(sch.waiting)),
@@ -219,6 +241,8 @@ class APIError(Exception):
 
 
 def _is_int(x):
+    # JSON true is a Python bool, and bool is a subclass of int: "max_tokens": true
+    # must be a type error, not 1 token.
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -227,6 +251,10 @@ def _is_num(x):
 
 
 # field -> (check, what it must be). Fields of the OpenAI API we accept.
+# One table instead of scattered ifs: every field is checked the same way and
+# the error names the field (OpenAI's "param"), so a client sees exactly what
+# to fix. Validation happens here, in the handler thread, before anything
+# reaches the engine: a bad request never costs the batch a step.
 COMMON_FIELDS = {
     "model": (lambda v: isinstance(v, str), "a string"),
     "max_tokens": (lambda v: v is None or (_is_int(v) and v >= 1), "an integer >= 1"),
@@ -260,7 +288,7 @@ def _check_fields(body, fields):
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     for key, value in body.items():
-        if key not in fields:
+        if key not in fields:       # as OpenAI does: a typo'd option must not be silently ignored
             raise APIError(400, f"unrecognized request argument: {key!r}", key)
         ok, what = fields[key]
         if not ok(value):
@@ -272,6 +300,8 @@ def _chat_text(message, i):
     if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
         raise APIError(400, f"messages[{i}] must be an object with role system, user or assistant", "messages")
     content = message.get("content")
+    # Newer clients send content as a list of typed parts; text parts are all a
+    # text-only model can take, so they are joined and anything else refused.
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         content = "".join(p["text"] for p in content)
@@ -293,11 +323,15 @@ def parse_request(llm: LLM, body, chat: bool):
         if "prompt" not in body:
             raise APIError(400, "'prompt' is required", "prompt")
         prompt = body["prompt"]
+        # A raw completion prompt belongs to the caller, special tokens included
+        # (as in LLM.generate); only chat messages are protected from forging them.
         ids = tok.encode(prompt, allow_special=True) if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= t < llm.config.vocab_size for t in ids):
             raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", "prompt")
     if not ids:
         raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
+    # 413 (too large) rather than 400: the request is well formed, just bigger
+    # than the context (or KV pool) can ever hold, so retrying cannot help.
     if len(ids) >= llm.max_len:
         raise APIError(413, f"the prompt has {len(ids)} tokens; this server's context holds {llm.max_len}",
                        "messages" if chat else "prompt", "context_length_exceeded")
@@ -307,6 +341,9 @@ def parse_request(llm: LLM, body, chat: bool):
                        "model", "model_not_found")
     get = lambda k, default: default if body.get(k) is None else body[k]   # noqa: E731
     room = llm.max_len - len(ids)
+    # OpenAI's defaults, so a client ported from OpenAI behaves the same:
+    # completions stop at 16 tokens, chat runs to EOS (bounded by the context),
+    # temperature 1. top_k -1 is vLLM's spelling of "off".
     max_tokens = get("max_completion_tokens", get("max_tokens", room if chat else 16))
     logprobs = (get("top_logprobs", 0) if get("logprobs", False) else None) if chat else get("logprobs", None)
     try:
@@ -325,7 +362,12 @@ def parse_request(llm: LLM, body, chat: bool):
 
 
 def _holdback(text: str, stops: list[str]) -> int:
-    """How many trailing characters might still become a stop string (not sent yet)."""
+    """How many trailing characters might still become a stop string (not sent yet).
+
+    Streamed text cannot be taken back: if the text ends in "wor" and "world"
+    is a stop string, those 3 characters wait until the next token shows
+    whether the stop string completes (and is cut) or not (and they are sent).
+    """
     return max([k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
 
 
@@ -334,6 +376,8 @@ def _logprobs_json(llm, completion, start: int, chat: bool):
     if completion.logprobs is None:
         return None
     tok = llm.tokenizer
+    # A token is bytes, not always whole UTF-8 characters: show it with
+    # replacement characters, and give the exact bytes too (chat's format).
     piece = lambda t: tok.token_bytes(t).decode("utf-8", errors="replace")   # noqa: E731
     items = list(zip(completion.token_ids[start:], completion.logprobs[start:]))
     if chat:
@@ -345,7 +389,10 @@ def _logprobs_json(llm, completion, start: int, chat: bool):
 
 
 class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+    """One instance per request, on the connection's own thread
+    (ThreadingHTTPServer). It may block for as long as generation takes: the
+    engine thread keeps stepping the batch meanwhile."""
+    protocol_version = "HTTP/1.1"       # keep-alive: a client's next request reuses the connection
     server_version = "nanoinfer"
     engine: Engine                      # set by make_server
 
@@ -368,7 +415,11 @@ class Handler(BaseHTTPRequestHandler):
         self._send_json(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}})
 
     def _client_gone(self) -> bool:
-        """True if the client closed its side (readable with nothing to read)."""
+        """True if the client closed its side (readable with nothing to read).
+
+        Without this, a non-streaming request whose client gave up would keep
+        its seat in the batch and its KV blocks until it finished generating;
+        we only learn of a closed socket by looking (or by a failed write)."""
         try:
             readable, _, _ = select.select([self.connection], [], [], 0)
             return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
@@ -399,11 +450,13 @@ class Handler(BaseHTTPRequestHandler):
             if path not in ("/v1/completions", "/v1/chat/completions"):
                 raise APIError(404, f"no such path: {path}")
             length = int(self.headers.get("Content-Length") or 0)
-            try:
+            try:                            # parse errors become 400s, not tracebacks
                 body = json.loads(self.rfile.read(length) or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise APIError(400, f"the body is not valid JSON: {e}") from None
             chat = path == "/v1/chat/completions"
+            # Tokenize and validate here, on the handler's thread: the engine
+            # thread's time belongs to the batch.
             ids, params, opts = parse_request(self.engine.llm, body, chat)
             try:
                 rid, q = self.engine.submit(ids, params)
@@ -413,7 +466,7 @@ class Handler(BaseHTTPRequestHandler):
         except APIError as e:
             self._send_error(e)
         except (BrokenPipeError, ConnectionResetError):
-            pass
+            pass                                            # nobody left to answer
         except Exception as e:                              # never a traceback to the client
             print(f"nanoinfer: error handling {path}: {e!r}", file=sys.stderr)
             self._send_error(APIError(500, "internal server error"))
@@ -423,13 +476,15 @@ class Handler(BaseHTTPRequestHandler):
     def _outputs(self, rid, q):
         """Yield RequestOutput snapshots until finished; abort if the client leaves."""
         while True:
-            try:
+            try:   # wake up every 0.2 s even without output, to notice a departed client
                 out = q.get(timeout=0.2)
             except queue.Empty:
                 if self._client_gone():
                     self.engine.abort(rid)
                     return
                 continue
+            # The engine reports add_request's rejection (or an engine failure) on
+            # the same queue as outputs, so the handler has one place to wait.
             if isinstance(out, ValueError):
                 raise APIError(400, str(out))
             if isinstance(out, Exception):
@@ -444,7 +499,7 @@ class Handler(BaseHTTPRequestHandler):
         usage = lambda out: {"prompt_tokens": len(ids), "total_tokens": len(ids) + sum(   # noqa: E731
             len(c.token_ids) for c in out.outputs), "completion_tokens": sum(len(c.token_ids) for c in out.outputs)}
         if not opts["stream"]:
-            final = None
+            final = None                                    # only the last snapshot matters
             for final in self._outputs(rid, q):
                 pass
             if final is None or not final.finished:
@@ -470,6 +525,8 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         kind = "chat.completion.chunk" if chat else "text_completion"
+        # Snapshots carry each choice's whole text; per choice we remember how much
+        # was sent, so each event carries only the new piece (the delta).
         sent_text, sent_tokens, done = {}, {}, set()
 
         def event(choices, **extra):
@@ -487,11 +544,13 @@ class Handler(BaseHTTPRequestHandler):
                     if c.index in done:
                         continue
                     finished = c.finish_reason is not None
+                    # Send only what can no longer change: all of it once finished,
+                    # else all but a possible start of a stop string (_holdback).
                     stable = len(c.text) if finished else len(c.text) - _holdback(c.text, params.stop)
                     start = sent_text.get(c.index, 0)
                     delta = c.text[start:stable] if stable > start else ""
                     lp = _logprobs_json(self.engine.llm, c, sent_tokens.get(c.index, 0), chat)
-                    if not delta and not finished:
+                    if not delta and not finished:          # e.g. half a UTF-8 character, held back
                         continue
                     sent_text[c.index], sent_tokens[c.index] = max(start, stable), len(c.token_ids)
                     reason = c.finish_reason if finished else None
@@ -515,9 +574,11 @@ def make_server(llm: LLM, host: str = "127.0.0.1", port: int = 8000, max_waiting
     """An HTTP server bound to (host, port) with its engine thread running;
     call serve_forever() on it (port 0 picks a free port: server.server_address)."""
     engine = Engine(llm, max_waiting)
+    # http.server builds a handler per request from a class, so the engine is
+    # bound as a class attribute of a subclass made for this server.
     handler = type("BoundHandler", (Handler,), {"engine": engine})
     server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
+    server.daemon_threads = True        # a hung client connection must not keep the process alive at exit
     server.engine = engine
     return server
 
@@ -528,7 +589,11 @@ def make_server(llm: LLM, host: str = "127.0.0.1", port: int = 8000, max_waiting
 
 
 def one_shot(llm: LLM, prompt: str, chat: bool, params: SamplingParams, out=None):
-    """Generate for one prompt, printing text as it is produced."""
+    """Generate for one prompt, printing text as it is produced.
+
+    No server and no threads: the same add_request/step loop the engine thread
+    runs, for one request, printing the stable part of each snapshot (the
+    same rule as streaming: a possible start of a stop string waits)."""
     out = out or sys.stdout
     if chat:
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
@@ -571,6 +636,8 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=256, help="one-shot: tokens to generate")
     ap.add_argument("--temperature", type=float, default=0.0, help="one-shot: 0 = greedy")
     args = ap.parse_args(argv)
+    # Every engine option of LLM is a flag, so a lesson's feature can be served
+    # as well as benchmarked (e.g. --compile --quantization int8).
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
               kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
@@ -579,6 +646,8 @@ def main(argv=None):
     if args.prompt is not None:
         one_shot(llm, args.prompt, args.chat, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
         return
+    # Loopback by default: this server has no authentication, so exposing it
+    # (--host 0.0.0.0) must be a deliberate choice.
     server = make_server(llm, args.host, args.port, args.max_waiting)
     host, port = server.server_address[:2]
     print(f"nanoinfer: serving {os.path.basename(os.path.normpath(llm.path))} on http://{host}:{port}/v1 "
