@@ -396,8 +396,9 @@ class LLM:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        if dtype == "auto":      # bf16 halves the bytes per step on GPU; CPU matmuls want fp32,
-            # except int8 ones: the CPU int8 kernel takes bf16 activations (quantize.py)
+        if dtype == "auto":      # bf16 halves the bytes per step on GPU. On CPU float32, where
+            # every path is bit-exact against the dense reference (bench.py measures bf16 too:
+            # faster on the machine in the README); int8 takes bf16 activations (quantize.py)
             cpu_fp32 = self.device.type == "cpu" and quantization is None
             dtype = torch.float32 if cpu_fp32 else torch.bfloat16
         elif isinstance(dtype, str):
