@@ -52,41 +52,72 @@ from tokenizer import IncrementalDecoder, Tokenizer
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request, and when to stop."""
+    """How to pick tokens for one request, and when to stop.
+
+    Every field's range is stated once, here (LIMITS); the server validates
+    requests with this same class, so the library and the API agree.
+    """
     max_tokens: int = 64            # new tokens at most (per sample)
     temperature: float = 0.0        # 0 = greedy (argmax); otherwise softmax(logits / T)
-    top_k: int = 0                  # keep the k most likely tokens (0 = all)
+    top_k: int = 0                  # keep the k most likely tokens (0 = all; k >= vocab = all)
     top_p: float = 1.0              # keep the smallest set with probability >= top_p
-    seed: int | None = None         # per-request generator: same tokens whatever the batch
+    seed: int | None = None         # same tokens whatever the batch (counter-based noise, see sampler)
     stop: list = field(default_factory=list)            # stop strings (cut from the text)
     stop_token_ids: list = field(default_factory=list)  # extra token ids that end generation
     ignore_eos: bool = False        # keep going past EOS (benchmarks)
     n: int = 1                      # parallel samples sharing the prompt (copy-on-write)
     logprobs: int | None = None     # None, or the chosen token's logprob + this many alternatives
 
+    # The bounds, in one place. Integers that reach a tensor or a hash must fit
+    # 64 bits; counts that cost memory or time per step are capped.
+    LIMITS = {"max_tokens": 2**31 - 1, "n": 128, "logprobs": 20, "stop": 16, "stop_chars": 1024,
+              "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1)}
+    GREEDY_BELOW = 1e-5             # temperatures this small are greedy (logits / 1e-30 would overflow)
+
     def __post_init__(self):
+        L = self.LIMITS
+
         def check(ok, name, what):
             if not ok:
-                raise ValueError(f"SamplingParams.{name} must be {what}, got {getattr(self, name)!r}")
+                raise ValueError(f"SamplingParams.{name} must be {what}, got {_short(getattr(self, name))}")
 
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)
-        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
-        check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-              and 0 <= self.temperature < math.inf, "temperature", "a number >= 0")
-        check(is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")
-        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        check(self.seed is None or is_int(self.seed), "seed", "an integer or None")
+
+        def is_num(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        check(is_int(self.max_tokens) and 1 <= self.max_tokens <= L["max_tokens"], "max_tokens",
+              f"an integer in [1, {L['max_tokens']}]")
+        check(is_num(self.temperature) and 0 <= self.temperature < math.inf, "temperature", "a finite number >= 0")
+        check(is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")   # clamped to the vocabulary
+        check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        lo, hi = L["seed"]
+        check(self.seed is None or (is_int(self.seed) and lo <= self.seed <= hi), "seed",
+              "None or an integer in [-2**63, 2**64 - 1]")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop),
-              "stop", "a list of non-empty strings")
-        check(isinstance(self.stop_token_ids, (list, tuple)) and all(map(is_int, self.stop_token_ids)),
-              "stop_token_ids", "a list of token ids")
+        check(isinstance(self.stop, (list, tuple)) and len(self.stop) <= L["stop"] and all(
+              isinstance(s, str) and 0 < len(s) <= L["stop_chars"] for s in self.stop), "stop",
+              f"a list of at most {L['stop']} non-empty strings of at most {L['stop_chars']} characters")
+        self.stop = list(self.stop)
+        check(isinstance(self.stop_token_ids, (list, tuple)) and len(self.stop_token_ids) <= L["stop_token_ids"]
+              and all(is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids), "stop_token_ids",
+              f"a list of at most {L['stop_token_ids']} token ids")
+        self.stop_token_ids = list(self.stop_token_ids)
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
-        check(is_int(self.n) and 1 <= self.n <= 128, "n", "an integer in [1, 128]")
-        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              "logprobs", "None or an integer in [0, 20]")
+        check(is_int(self.n) and 1 <= self.n <= L["n"], "n", f"an integer in [1, {L['n']}]")
+        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= L["logprobs"]),
+              "logprobs", f"None or an integer in [0, {L['logprobs']}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < self.GREEDY_BELOW
+
+
+def _short(value, limit: int = 80) -> str:
+    """repr of a value for an error message, cut short (a stop list can be megabytes)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
 
 
 # ----------------------------------------------------------------------------
