@@ -68,8 +68,8 @@ class Bench:
         """The full run's setting, or the smoke run's."""
         return quick if self.quick else full
 
-    def llm(self, **kw):
-        """An engine on the bench's model and device, without its start-up chatter."""
+    def llm(self, path=None, **kw):
+        """An engine on the bench's model (or `path`) and device, without its start-up chatter."""
         kw.setdefault("device", str(self.device))
         kw.setdefault("dtype", self.dtype)
         # A fixed pool, not "most of the free memory": experiments hold two engines at once.
@@ -78,7 +78,7 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         with contextlib.redirect_stdout(io.StringIO()):
-            return LLM(self.path, **kw)
+            return LLM(path or self.path, **kw)
 
     def sync(self):
         if self.device.type == "cuda":
@@ -210,6 +210,60 @@ def workload(b: Bench, vocab: int, seed: int = 0):
 # ----------------------------------------------------------------------------
 # The experiments
 # ----------------------------------------------------------------------------
+
+
+TINY_MODEL = "random:tiny"      # model.py preset: 2 layers, dim 64, the real vocabulary
+
+
+def forward_seconds(b: Bench, llm, batch: int, context: int, steps: int) -> float:
+    """Median time of the bare forward pass of the decode batch that
+    decode_step_seconds times: inputs built once, no scheduling, no sampling,
+    no detokenizing. The gap to the engine's step is the engine's own work."""
+    rng = random.Random(batch)
+    ids = [llm.add_request([rng.randrange(llm.config.vocab_size) for _ in range(context)],
+                           SamplingParams(max_tokens=8, ignore_eos=True)) for _ in range(batch)]
+    while len([s for s in llm.scheduler.running if s.remaining == 1]) < batch:   # prefill, as above
+        llm.step()
+    seqs = llm.scheduler.running[:batch]
+    for s in seqs:                                 # room for the one token each step feeds
+        llm.block_manager.reserve(s.seq_id, s.num_computed, 1)
+    hb = llm.inputs.host([(s.seq_id, s.token_ids[-1:], s.num_computed) for s in seqs])
+    if llm.decoder is not None:
+        run = lambda: llm.decoder(hb.input_ids, hb.positions, hb.slot_mapping, llm.inputs.tables[hb.rows])  # noqa
+    else:
+        x, pos, ctx = llm.inputs.device(hb, llm.cache)
+        run = lambda: llm.model(x, pos, ctx)       # noqa: E731  (rewrites the same slots each time)
+    with torch.inference_mode():
+        t = b.timeit(run, steps, warmup=2)
+    for rid in ids:
+        llm.abort(rid)
+    return t
+
+
+def exp_overhead(b: Bench):
+    """The engine's work around the forward pass, next to the pass itself."""
+    context, steps = b.q(32, 8), b.q(20, 3)
+    batches = b.q([1, 4, 16, 64, 256], [1, 4])
+    models = [("tiny", TINY_MODEL), (os.path.basename(b.path), b.path)]
+    rows, fig = [], {"context": context, "points": []}
+    for name, path in models:
+        # 2 GiB holds 256 sequences of ~120 tokens of the default model in float32
+        llm = b.llm(path=path, max_num_seqs=max(batches), kv_cache_bytes=2 << 30)
+        for B in batches:
+            b.progress(f"overhead: {name}, batch {B}")
+            step = decode_step_seconds(b, llm, B, context, steps)
+            fwd = forward_seconds(b, llm, B, context, steps)
+            p = {"model": name, "batch": B, "step_ms": step * 1e3, "forward_ms": fwd * 1e3,
+                 "overhead_ms": (step - fwd) * 1e3, "overhead_fraction": max(0.0, step - fwd) / step}
+            fig["points"].append(p)
+            rows.append([name, B, p["step_ms"], p["forward_ms"], p["overhead_ms"], f"{p['overhead_fraction']:.0%}"])
+        del llm
+    text = (f"Greedy decode at a {context}-token context. `tiny` is a random 2-layer, 64-dim Llama with the real "
+            "49152-token vocabulary: its forward pass is nearly free, so its step time is the engine's own "
+            "work (scheduling, input building, sampling, detokenizing, outputs).\n\n" +
+            table(["model", "batch", "engine step (ms)", "forward pass (ms)", "engine overhead (ms)",
+                   "overhead share"], rows))
+    return fig, text
 
 
 def exp_roofline(b: Bench):
@@ -552,7 +606,7 @@ def exp_peer(b: Bench):
     return fig, text + f"\n\nnanoinfer: {fig['speedup']:.2f}x the throughput of transformers' generate."
 
 
-EXPERIMENTS = {"roofline": exp_roofline, "kv-cache": exp_kv_cache, "batching": exp_batching,
+EXPERIMENTS = {"overhead": exp_overhead, "roofline": exp_roofline, "kv-cache": exp_kv_cache, "batching": exp_batching,
                "continuous-vs-static": exp_continuous_vs_static, "prefix": exp_prefix,
                "speculative": exp_speculative, "quantization": exp_quantization, "compile": exp_compile,
                "peer": exp_peer}
@@ -580,18 +634,41 @@ def main(argv=None):
             "model": b.path, "quick": args.quick, "command": " ".join(["python", "bench.py"] + sys.argv[1:])}
     print(f"# nanoinfer bench\n\n{meta['device']}, torch {meta['torch']}, model {os.path.basename(b.path)}, "
           f"dtype {args.dtype}, {meta['date']}")
-    results = {"meta": meta}
+    # --json merges: each experiment is stored under its name with the meta of the
+    # run that measured it, so rerunning one experiment replaces only its entry
+    # (a long GPU run's other results survive a quick rerun into the same file).
+    results = load_results(args.json) if args.json else {}
+    results["meta"] = meta                 # the latest run
     for name in names:          # one after another: experiments never share a machine with each other
         t0 = time.perf_counter()
         fig, text = EXPERIMENTS[name](b)
         b.done()
         fig["wall_seconds"] = time.perf_counter() - t0
+        fig["meta"] = meta
         results[name] = fig
         print(f"\n## {name}\n\n{text}\n", flush=True)
         if args.json:                      # after every experiment: a cut-short run keeps what it measured
-            with open(args.json, "w") as f:
+            tmp = args.json + ".tmp"
+            with open(tmp, "w") as f:
                 json.dump(results, f, indent=1)
+            os.replace(tmp, args.json)     # atomic: a crash mid-write never leaves half a file
     return results
+
+
+def load_results(path: str) -> dict:
+    """The results already in `path` (none if it does not exist). A file that
+    is not a bench result is never overwritten."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench.py: {path} exists but cannot be read as bench results ({e}); "
+                         "refusing to overwrite it: move it away or choose another --json file") from None
+    if not isinstance(old, dict):
+        raise SystemExit(f"bench.py: {path} is not a bench results file; refusing to overwrite it")
+    return old
 
 
 if __name__ == "__main__":

@@ -239,6 +239,14 @@ class BlockManager:
         self.cached: dict[int, int] = {}             # hash -> block
         self.pending_copies: list[tuple[int, int]] = []   # (src, dst) copy-on-write for the engine
         self.prefix_hits = self.prefix_queries = 0   # in blocks, for the hit rate
+        # seq -> (leading blocks already registered in the prefix cache, hash of the
+        # last of them): cache_full_blocks resumes from there instead of rehashing
+        # the whole sequence every step.
+        self.hashed: dict[int, tuple[int, int | None]] = {}
+        # Sequences whose table changed since the engine last looked (None: nobody
+        # looks). The fast path keeps a copy of every table as an array and
+        # refreshes only these rows (kernels.StepInputs).
+        self.changed: set[int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -268,6 +276,10 @@ class BlockManager:
     def _key(self, parent_hash, tokens) -> int:
         return hash((parent_hash, tuple(tokens)))
 
+    def _touch(self, seq_id: int):
+        if self.changed is not None:
+            self.changed.add(seq_id)
+
     # -- per sequence --------------------------------------------------------------
 
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
@@ -296,6 +308,8 @@ class BlockManager:
                 self.prefix_hits += 1
                 parent = h
         self.tables[seq_id] = table
+        self.hashed[seq_id] = (len(table), parent if table else None)   # hits are registered already
+        self._touch(seq_id)
         return len(table) * self.block_size
 
     def blocks_needed(self, seq_id: int, start: int, count: int) -> int:
@@ -311,13 +325,13 @@ class BlockManager:
         """Can the sequence get slots for [start, start + count) right now?"""
         return self.blocks_needed(seq_id, start, count) <= len(self.free_blocks)
 
-    def append_slots(self, seq_id: int, start: int, count: int) -> list[int]:
-        """Make room for tokens at positions [start, start + count) and return their slots.
+    def reserve(self, seq_id: int, start: int, count: int):
+        """Make room for tokens at positions [start, start + count).
 
-        Allocates new blocks at the end of the table, and if the block the first
-        new token lands in is shared with another sequence (after a fork),
-        gives this sequence a private copy first (copy-on-write; the engine
-        copies the data via pending_copies before the forward pass).
+        Allocates new blocks at the end of the table, and if a block the new
+        tokens land in is shared with another sequence (after a fork), gives
+        this sequence a private copy first (copy-on-write; the engine copies
+        the data via pending_copies before the forward pass).
         """
         table = self.tables[seq_id]
         bs = self.block_size
@@ -331,17 +345,28 @@ class BlockManager:
                 self.pending_copies.append((table[i], new))
                 self._release(table[i])
                 table[i] = new
+                self._touch(seq_id)
+        if len(table) * bs < start + count:
+            self._touch(seq_id)
         while len(table) * bs < start + count:
             table.append(self._take_free())
+
+    def append_slots(self, seq_id: int, start: int, count: int) -> list[int]:
+        """reserve(), then the slot of every new token: block_id * block_size + offset.
+        (The engine's fast path computes the slots from its table arrays instead.)"""
+        self.reserve(seq_id, start, count)
+        table, bs = self.tables[seq_id], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, start + count)]
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int):
         """After a step: register the sequence's blocks that are now full and
-        computed in the prefix cache, so later sequences can reuse them."""
+        computed in the prefix cache, so later sequences can reuse them.
+        Resumes after the blocks registered last time: O(new blocks) per call."""
         if not self.enable_prefix_caching:
             return
-        table, bs, parent = self.tables[seq_id], self.block_size, None
-        for i in range(num_computed // bs):
+        table, bs = self.tables[seq_id], self.block_size
+        done, parent = self.hashed.get(seq_id, (0, None))
+        for i in range(done, num_computed // bs):
             block = table[i]
             key = self.block_key.get(block)
             if key is None:
@@ -351,6 +376,7 @@ class BlockManager:
                 self.cached.setdefault(h, block)     # first copy wins; duplicates stay private
                 key = self.block_key[block]
             parent = key[0]
+        self.hashed[seq_id] = (max(done, num_computed // bs), parent)
 
     def fork(self, parent_id: int, child_id: int):
         """The child shares every block of the parent; nothing is copied now."""
@@ -359,6 +385,8 @@ class BlockManager:
         self.tables[child_id] = list(self.tables[parent_id])
         for b in self.tables[child_id]:
             self.ref_count[b] += 1
+        self.hashed[child_id] = self.hashed.get(parent_id, (0, None))
+        self._touch(child_id)
 
     def truncate(self, seq_id: int, num_tokens: int):
         """Keep only the blocks holding the first num_tokens tokens (speculative
@@ -371,6 +399,12 @@ class BlockManager:
         del table[keep:]
         if num_tokens % self.block_size and table and self.ref_count[table[-1]] == 1:
             self._forget(table[-1])                 # now only partly valid: no longer a full block
+        done, parent = self.hashed.get(seq_id, (0, None))
+        if done > num_tokens // self.block_size:    # registered blocks past the cut: re-derive the chain
+            full = num_tokens // self.block_size
+            key = self.block_key.get(table[full - 1]) if full else None
+            self.hashed[seq_id] = (full, key[0]) if key else (0, None)
+        self._touch(seq_id)
 
     def _forget(self, block: int):
         """Drop a block from the prefix cache (it is being reused or rewritten)."""
@@ -386,6 +420,8 @@ class BlockManager:
         # first ones (a later request is likelier to share the start of a prompt).
         for block in reversed(self.tables.pop(seq_id)):
             self._release(block)
+        self.hashed.pop(seq_id, None)
+        self._touch(seq_id)
 
     def check_invariants(self):
         """Consistency of the bookkeeping; tests call this after every operation."""

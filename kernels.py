@@ -1,104 +1,294 @@
 """
-kernels.py -- compiled decode paths: make each decode step cost only its bytes.
+kernels.py -- the fast path: every engine step costs its bytes and FLOPs, not its bookkeeping.
 
 The lesson: the roofline of a decode step is
 
     step time >= (weight bytes + KV cache bytes read) / memory bandwidth
 
-and at batch 1 a small model is far from it for reasons that are not bytes:
+and an engine is far from it for reasons that are not bytes:
+  * Python per sequence: a loop over the batch in attention, or in building
+    the step's inputs, costs microseconds per sequence per layer; at batch
+    256 that alone exceeds the whole step's bytes;
+  * host-device traffic: every small tensor made from a Python list is a
+    separate copy (and on a GPU a separate synchronization point);
   * on a GPU a step is hundreds of tiny kernel launches (30 layers x norms,
-    projections, RoPE, attention, ...), each ~5 us of CPU-side overhead, while
-    the whole step's bytes take less time than that. CUDA graphs record the
-    step once and replay it with a single launch;
-  * the reference paged attention (cache.py) loops over sequences in Python;
+    projections, RoPE, attention, ...), each ~5 us of CPU-side overhead,
+    while the whole step's bytes take less time than that. CUDA graphs record
+    the step once and replay it with a single launch;
   * small elementwise ops (RMSNorm, RoPE, SiLU * up) each read and write
     their tensor again; fusing them removes the round trips.
 
-The vectorized attention below removes the loop; torch.compile does the
-rest from the same Python: it fuses elementwise ops (inductor), and with
-mode="reduce-overhead" it runs the compiled step as a CUDA graph. That mode
-is the one CUDA-specific line of this file; everything else runs, and is
-tested, on CPU. Measured on an H100 (README): the eager decode step of
-SmolLM2-135M took 38 ms at batch 1, all of it host overhead; compiled, 3.3 ms.
+This file removes them in that order:
+  1. batched_paged_attention: one padded, masked attention for a whole group
+     of sequences over their paged KV cache; StepContext runs every step kind
+     (prefill chunks, decodes, k+1-token verifications, mixed) as a handful of
+     such groups, one per padded query length -- never a loop over sequences.
+     cache.paged_attention stays the readable reference the tests hold it to.
+  2. StepInputs: a step's inputs built with numpy from arrays kept across
+     steps (each sequence's block table is copied only when it changes), sent
+     to the device in ONE copy from pinned memory.
+  3. CompiledDecoder: torch.compile of the pure-decode step over padded batch
+     buckets; with mode="reduce-overhead" on CUDA it replays CUDA graphs.
+     That mode is the one CUDA-specific line here; everything else runs, and
+     is tested, on CPU. Measured on an H100 (README): the eager decode step of
+     SmolLM2-135M took 38 ms at batch 1, all of it host overhead; compiled, 3.3 ms.
 
 A CUDA graph replays fixed shapes, so the engine pads each decode batch to a
 bucket of sizes (1, 2, 4, 8, 16, then multiples of 16) and each block table
 to a power-of-two width: one recorded graph per (batch, width) bucket, all
 recorded at start-up (warm-up), never in the middle of serving. Padded rows
 are real rows of the graph: they write their k, v into a scratch block that
-no sequence owns, so they never touch a real sequence's cache. Inductor
-itself compiles batch size and width as symbolic sizes, so the compiled
-code is shared by every bucket (plus one specialization for batch 1): the
-compile cost does not grow with the number of buckets.
+no sequence owns, so they never touch a real sequence's cache.
 
-Place in the data flow: in LLM.step(), a batch in which every sequence feeds
-exactly one token (pure decode) goes through decode_step() below, or through
-CompiledDecoder when LLM(compile=True); prefill and verification steps use
-the reference paged attention through cache.AttentionContext. All end in
-Transformer.forward(..., ctx): this file only supplies another ctx whose
-attend() is vectorized.
+Place in the data flow (LLM.step, scheduler.py): after Scheduler.schedule,
+StepInputs turns the scheduled work into (input_ids, positions, StepContext);
+Transformer.forward(..., ctx) calls ctx.attend(layer, q, k, v) in every
+layer. A pure decode step goes through CompiledDecoder when LLM(compile=True).
 """
 from __future__ import annotations
 
 import itertools
 import math
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------
-# Vectorized paged attention for decode (and small verify) batches
+# Batched paged attention: a group of sequences at once
 # ----------------------------------------------------------------------------
 
 
-def paged_decode_attention(q, cache, layer: int, block_tables, seq_lens):
-    """Every sequence has the same number Q of new queries (1 for decode).
+def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_lens=None):
+    """Each of B sequences has up to Q new queries; all attend at once.
 
-    q: [B*Q, H, d], block_tables: [B, M], seq_lens: [B] tensor (tokens in
-    cache, including the Q new ones). Same result as cache.paged_attention,
-    without its Python loop: one gather of every sequence's blocks, one
-    masked softmax. Keys past a sequence's length (padding of its block
-    table) are masked out, so a table may be padded with any block id.
+    q: [B, Q, H, d] (sequence b's queries first, padding after), block_tables:
+    [B, W], seq_lens: [B] tokens in cache including the new ones, query_lens:
+    [B] real queries per sequence (None: all Q). Query i of sequence b sits
+    at position seq_lens[b] - query_lens[b] + i and sees keys 0..position.
+    Padded queries (i >= query_lens[b]) are given the last real position, so
+    their softmax stays finite; the caller drops their output. Keys past a
+    sequence's length (padding of its block table) are masked out, so a
+    table may be padded with any valid block id. Returns [B, Q, H, d].
     """
-    B, M = block_tables.shape
-    Q, (H, d) = q.shape[0] // B, q.shape[1:]
-    k, v = cache.blocks(layer, block_tables)                  # [B, M, bs, n_kv, d]
-    n_kv, T = k.shape[-2], M * k.shape[2]
+    B, Q, H, d = q.shape
+    k, v = cache.blocks(layer, block_tables)                  # [B, W, bs, n_kv, d]: one gather
+    n_kv, T = k.shape[-2], block_tables.shape[1] * k.shape[2]
     k, v = k.reshape(B, T, n_kv, d), v.reshape(B, T, n_kv, d)  # [B, T, n_kv, d]
     qg = q.view(B, Q, n_kv, H // n_kv, d)                      # [B, Q, n_kv, G, d]: GQA by grouping
     scores = torch.einsum("bqhgd,bthd->bhgqt", qg, k).float() / math.sqrt(d)   # [B, n_kv, G, Q, T]
-    # query i of sequence b sits at position seq_lens[b] - Q + i and sees keys 0..that position
-    q_pos = seq_lens[:, None] - Q + torch.arange(Q, device=q.device)           # [B, Q]
+    i = torch.arange(Q, device=q.device)
+    if query_lens is None:
+        q_pos = seq_lens[:, None] - Q + i                                        # [B, Q]
+    else:
+        q_pos = seq_lens[:, None] - query_lens[:, None] + i
+        q_pos = torch.minimum(q_pos, seq_lens[:, None] - 1)                      # padding: last real position
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
     probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)
     out = torch.einsum("bhgqt,bthd->bqhgd", probs.to(v.dtype), v)              # [B, Q, n_kv, G, d]
-    return out.reshape(B * Q, H, d)
+    return out.reshape(B, Q, H, d)
 
 
-class DecodeContext:
-    """The ctx Transformer.forward gets on the compiled path (cf. cache.AttentionContext)."""
+@dataclass
+class QueryGroup:
+    """Sequences whose queries are padded to one length Q (a power of two).
 
-    def __init__(self, cache, slot_mapping, block_tables, seq_lens):
-        self.cache, self.slot_mapping = cache, slot_mapping
-        self.block_tables, self.seq_lens = block_tables, seq_lens
-        self.logits_indices = None          # decode: every row samples
+    index[Bg, Q]     row of the flat batch each padded query comes from; padding
+                     points at row N, a dummy row past the real ones. None: the
+                     group is the whole batch in order (every sequence has Q).
+    block_tables[Bg, W], seq_lens[Bg], query_lens[Bg] as batched_paged_attention.
+    """
+    index: torch.Tensor | None
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens: torch.Tensor | None
+
+
+class StepContext:
+    """The `ctx` Transformer.forward gets from the engine (cf. cache.AttentionContext).
+
+    Why groups: padding every sequence to the longest query of the step would
+    multiply a mixed step's attention work by up to the batch size (a 2000-token
+    prefill chunk next to 63 decodes); padding within a power-of-two length
+    class wastes at most 2x, and a step has only a few classes (decode: one).
+    """
+
+    def __init__(self, cache, slot_mapping, groups: list[QueryGroup], logits_indices=None):
+        self.cache, self.slot_mapping, self.groups = cache, slot_mapping, groups
+        self.logits_indices = logits_indices      # rows that need logits (None: all)
 
     def attend(self, layer: int, q, k, v):
-        self.cache.write(layer, self.slot_mapping, k, v)     # write first: a token sees itself
-        return paged_decode_attention(q, self.cache, layer, self.block_tables, self.seq_lens)
+        self.cache.write(layer, self.slot_mapping, k, v)         # write first: a token sees itself
+        N, H, d = q.shape
+        if len(self.groups) == 1 and self.groups[0].index is None:   # decode: no gather, no scatter
+            g = self.groups[0]
+            B = g.block_tables.shape[0]
+            out = batched_paged_attention(q.view(B, N // B, H, d), self.cache, layer, g.block_tables,
+                                          g.seq_lens, g.query_lens)
+            return out.reshape(N, H, d)
+        qx = torch.cat([q, q.new_zeros(1, H, d)])                # row N: where padded queries read and write
+        out = torch.empty_like(qx)
+        for g in self.groups:                                    # a few length classes, not sequences
+            o = batched_paged_attention(qx[g.index], self.cache, layer, g.block_tables, g.seq_lens,
+                                        g.query_lens)            # [Bg, Q, H, d]
+            out[g.index.flatten()] = o.flatten(0, 1)
+        return out[:N]
 
 
 def decode_step(model, cache, tokens, positions, slots, tables):
-    """One eager decode step (one new token per sequence) through the
-    vectorized attention: the engine's decode path when not compiled.
+    """One eager decode step (one new token per sequence) from Python lists:
+    a convenience for tests and experiments; the engine uses StepInputs.
     Tables are padded with their own first block (masked out by seq_lens)."""
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=cache.k.device)   # noqa: E731
     width = max(map(len, tables))
-    ctx = DecodeContext(cache, as_tensor(slots), as_tensor([t + t[:1] * (width - len(t)) for t in tables]),
-                        as_tensor([p + 1 for p in positions]))
-    return model(as_tensor(tokens), as_tensor(positions), ctx)                        # [B, V]
+    group = QueryGroup(None, as_tensor([t + t[:1] * (width - len(t)) for t in tables]),
+                       as_tensor([p + 1 for p in positions]), None)
+    return model(as_tensor(tokens), as_tensor(positions), StepContext(cache, as_tensor(slots), [group]))
+
+
+# ----------------------------------------------------------------------------
+# Step inputs: numpy on the host, one copy to the device
+# ----------------------------------------------------------------------------
+
+def next_pow2(x):
+    """Elementwise smallest power of two >= x (x >= 1), for numpy int arrays."""
+    return 1 << np.ceil(np.log2(np.maximum(x, 1))).astype(np.int64)
+
+
+class Staging:
+    """Send many small int64 arrays to the device as ONE copy.
+
+    Each torch.tensor(list) on a GPU is its own host-to-device copy, and a copy
+    from ordinary (pageable) memory makes the host wait for it. Concatenating
+    all of a step's arrays into one pinned buffer turns that into one
+    asynchronous copy; the device tensors are views of the one copy. The
+    buffer is reused next step, which is safe because the engine waits for
+    each step's sampled tokens (one synchronization) before building the next.
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self.buf = torch.empty(1 << 16, dtype=torch.int64, pin_memory=self.pinned)
+
+    def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if total > self.buf.numel():
+            self.buf = torch.empty(2 * total, dtype=torch.int64, pin_memory=self.pinned)
+        host = self.buf[:total]
+        if total:
+            np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays], out=host.numpy())
+        dev = host.to(self.device, non_blocking=True, copy=True)         # one copy
+        return [t.view(a.shape) for t, a in zip(dev.split(sizes), arrays)]
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host (numpy int64): N tokens of B sequences."""
+    input_ids: np.ndarray      # [N]
+    positions: np.ndarray      # [N]
+    slot_mapping: np.ndarray   # [N]
+    rows: np.ndarray           # [B] each sequence's row in StepInputs.tables
+    seq_lens: np.ndarray       # [B] tokens in cache after this step
+    query_lens: np.ndarray     # [B] tokens fed this step
+    logits_rows: np.ndarray | None   # [R] rows that need logits (None: all)
+
+    @property
+    def is_decode(self) -> bool:
+        return bool((self.query_lens == 1).all())
+
+
+class StepInputs:
+    """Builds each step's model inputs from arrays kept across steps.
+
+    Every running sequence owns a row of `tables`, a numpy copy of its block
+    table. The BlockManager records which sequences' tables changed (a new
+    block every block_size tokens, a copy-on-write, a truncation, a free), and
+    only those rows are rewritten: the host work of a step is O(batch), not
+    O(total blocks). Slots are computed from the rows, not kept per token.
+    """
+
+    def __init__(self, block_manager, device):
+        self.bm, self.bs = block_manager, block_manager.block_size
+        block_manager.changed = set(block_manager.tables)     # from now on, tell us what changes
+        self.staging = Staging(device)
+        self.tables = np.zeros((16, 8), dtype=np.int64)       # [rows, width], grown on demand
+        self.row_of: dict[int, int] = {}
+        self.free_rows = list(range(15, -1, -1))
+
+    def _refresh_tables(self):
+        for seq_id in self.bm.changed:
+            table = self.bm.tables.get(seq_id)
+            if table is None:                                 # freed: its row is reusable
+                row = self.row_of.pop(seq_id, None)
+                if row is not None:
+                    self.free_rows.append(row)
+                continue
+            if seq_id not in self.row_of:
+                if not self.free_rows:                        # double the rows
+                    n = len(self.tables)
+                    self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+                    self.free_rows = list(range(2 * n - 1, n - 1, -1))
+                self.row_of[seq_id] = self.free_rows.pop()
+            if len(table) > self.tables.shape[1]:             # double the width
+                wider = np.zeros((len(self.tables), 2 * max(len(table), self.tables.shape[1])), np.int64)
+                wider[:, :self.tables.shape[1]] = self.tables
+                self.tables = wider
+            self.tables[self.row_of[seq_id], :len(table)] = table
+        self.bm.changed.clear()
+
+    def host(self, work, logits_rows=None) -> HostBatch:
+        """work: (seq_id, token ids fed, first position) per sequence, in batch order."""
+        self._refresh_tables()
+        ids = []
+        for _, tokens, _ in work:
+            ids += tokens
+        rows = np.array([self.row_of[w[0]] for w in work], dtype=np.int64)
+        starts = np.array([w[2] for w in work], dtype=np.int64)
+        counts = np.array([len(w[1]) for w in work], dtype=np.int64)
+        first_row = np.cumsum(counts) - counts                        # where each sequence starts in [N]
+        N = int(counts.sum())
+        positions = np.repeat(starts - first_row, counts) + np.arange(N)
+        token_rows = np.repeat(rows, counts)
+        # slot = block_id * block_size + offset, block_id from the sequence's table
+        slots = self.tables[token_rows, positions // self.bs] * self.bs + positions % self.bs
+        return HostBatch(np.array(ids, dtype=np.int64), positions, slots, rows, starts + counts, counts,
+                         None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64))
+
+    def groups(self, hb: HostBatch):
+        """Split the batch into query-length classes: [(index or None, tables, seq_lens, query_lens)]."""
+        qcls = next_pow2(hb.query_lens)
+        N, first = len(hb.input_ids), np.cumsum(hb.query_lens) - hb.query_lens
+        widths = -(-hb.seq_lens // self.bs)                          # blocks each sequence uses
+        out = []
+        for Q in np.unique(qcls):
+            m = np.nonzero(qcls == Q)[0]
+            tables = self.tables[hb.rows[m], :widths[m].max()]
+            if len(m) == len(qcls) and (hb.query_lens == Q).all():   # the whole batch, uniform: no gather
+                out.append((None, tables, hb.seq_lens, None))
+                continue
+            idx = first[m, None] + np.arange(Q)[None, :]             # [Bg, Q]
+            idx = np.where(np.arange(Q)[None, :] < hb.query_lens[m, None], idx, N)
+            out.append((idx, tables, hb.seq_lens[m], hb.query_lens[m]))
+        return out
+
+    def device(self, hb: HostBatch, cache):
+        """HostBatch -> (input_ids, positions, StepContext) on the device, in one copy."""
+        groups = self.groups(hb)
+        arrays = [hb.input_ids, hb.positions, hb.slot_mapping]
+        if hb.logits_rows is not None:
+            arrays.append(hb.logits_rows)
+        for g in groups:
+            arrays += [a for a in g if a is not None]
+        t = iter(self.staging.send(arrays))
+        input_ids, positions, slots = next(t), next(t), next(t)
+        logits_indices = next(t) if hb.logits_rows is not None else None
+        ctx_groups = [QueryGroup(*(None if a is None else next(t) for a in g)) for g in groups]
+        return input_ids, positions, StepContext(cache, slots, ctx_groups, logits_indices)
 
 
 # ----------------------------------------------------------------------------
@@ -216,32 +406,41 @@ class CompiledDecoder:
             if isinstance(t, torch.Tensor):
                 torch._dynamo.mark_static(t)
                 torch._dynamo.mark_static_address(t)
+        self.staging = Staging(self.device)
         mode = "reduce-overhead" if self.device.type == "cuda" else None   # CUDA graphs: the one CUDA line
         self._compiled = torch.compile(self._step, mode=mode, fullgraph=True)
 
     def _step(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
-        ctx = DecodeContext(self.cache, slot_mapping, block_tables, seq_lens)
+        ctx = StepContext(self.cache, slot_mapping, [QueryGroup(None, block_tables, seq_lens, None)])
         return self.model(input_ids, positions, ctx)                    # [B_pad, V]
 
     def __call__(self, tokens, positions, slots, tables):
         """One decode step for B sequences: their last token, its position and
-        slot, and their block tables. Returns logits [B, V]."""
-        B, width = len(tokens), max(map(len, tables))
-        inputs = self._pad(tokens, positions, slots, tables, bucket(B, self.batch_sizes), bucket(width, self.widths))
-        return self._run(*inputs)[:B].clone()   # clone: a CUDA graph reuses its output buffer next replay
+        slot ([B] each), and their block tables (a list of lists, or an array
+        [B, >= blocks in use]). Returns logits [B, V]."""
+        B = len(tokens)
+        width = max(p // self.cache.block_size + 1 for p in positions)   # blocks in use
+        if isinstance(tables, list):
+            rows = np.full((B, max(map(len, tables))), self.scratch_block, dtype=np.int64)
+            for i, t in enumerate(tables):
+                rows[i, :len(t)] = t
+            tables = rows
+        inputs = self._pad(np.asarray(tokens), np.asarray(positions), np.asarray(slots), tables,
+                           bucket(B, self.batch_sizes), bucket(width, self.widths))
+        return self._run(*self.staging.send(inputs))[:B].clone()   # clone: a CUDA graph reuses its output
 
     def _pad(self, tokens, positions, slots, tables, Bp, W):
-        """Inputs padded to Bp rows and W table columns. A padded row is token
-        0 at position 0, written to the scratch slot, attending only to itself
-        (seq_len 1) through a table of scratch blocks."""
-        pad, scratch_slot = Bp - len(tokens), self.scratch_block * self.cache.block_size
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)   # noqa: E731
-        return (as_tensor(tokens + [0] * pad),                                          # input_ids [Bp]
-                as_tensor(positions + [0] * pad),                                       # positions [Bp]
-                as_tensor(slots + [scratch_slot] * pad),                                # slot_mapping [Bp]
-                as_tensor([t + [self.scratch_block] * (W - len(t)) for t in tables]
-                          + [[self.scratch_block] * W] * pad),                          # block_tables [Bp, W]
-                as_tensor([p + 1 for p in positions] + [1] * pad))                      # seq_lens [Bp]
+        """Inputs padded to Bp rows and W table columns (numpy). A padded row is
+        token 0 at position 0, written to the scratch slot, attending only to
+        itself (seq_len 1) through a table of scratch blocks. Table columns a
+        sequence does not use hold any block id: seq_lens masks them out."""
+        B = len(tokens)
+        scratch_slot = self.scratch_block * self.cache.block_size
+        padded = np.full((Bp, W), self.scratch_block, dtype=np.int64)       # block_tables [Bp, W]
+        w = min(W, tables.shape[1])
+        padded[:B, :w] = tables[:, :w]
+        pad = lambda x, fill: np.concatenate([np.asarray(x, dtype=np.int64), np.full(Bp - B, fill)])  # noqa: E731
+        return [pad(tokens, 0), pad(positions, 0), pad(slots, scratch_slot), padded, pad(positions + 1, 1)]
 
     def _run(self, input_ids, positions, slot_mapping, block_tables, seq_lens):
         # Batch size and table width are symbolic in the compiled code, so one
@@ -260,7 +459,8 @@ class CompiledDecoder:
         for B in self.batch_sizes:
             for W in self.widths:
                 for _ in range(2 if self.device.type == "cuda" else 1):   # CUDA graphs record on a rerun
-                    self._run(*self._pad([], [], [], [], B, W))
+                    empty = np.zeros(0, dtype=np.int64)
+                    self._run(*self.staging.send(self._pad(empty, empty, empty, np.zeros((0, 1), np.int64), B, W)))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0

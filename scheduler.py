@@ -14,16 +14,23 @@ finishes. Continuous batching schedules at the granularity of ONE step:
 
 Selective batching makes that possible: the MLPs and norms work on a flat
 [N, D] tensor whatever sequence each token belongs to; only attention is
-per sequence, over its own paged KV cache (cache.py).
+per sequence, over its own paged KV cache (cache.py, kernels.py).
 
-One step of LLM.step():
-    Scheduler.schedule()     which sequences run and how many tokens each:
-                             1 per decoding sequence first (k+1 with drafts),
-                             then prefill chunks, within max_num_batched_tokens;
-                             preempts the newest sequence if the KV pool is full
-    Transformer.forward      one pass over all N scheduled tokens
-    sample()                 next token for each sequence whose prompt is done
-    _append()                stop strings / EOS / max_tokens; free finished blocks
+LLM.step() is four steps, each one section of this file:
+    1. schedule   Scheduler.schedule(): which sequences run and how many
+                  tokens each: 1 per decoding sequence first (k+1 with
+                  drafts), then prefill chunks, within max_num_batched_tokens;
+                  preempts the newest sequence if the KV pool is full
+    2. forward    Transformer.forward over all N scheduled tokens at once
+                  (inputs built by kernels.StepInputs)
+    3. sample     sample_tokens(): the next token of every sequence whose
+                  prompt is done, or the verified drafts; ONE wait for the
+                  device per step
+    4. append     stop strings / EOS / max_tokens, text deltas, free the
+                  blocks of finished sequences
+A request that goes wrong in its own way (its drafts, its text, non-finite
+logits in its rows) finishes alone with finish_reason "error"; an error no
+request explains fails the step's requests, and the engine keeps serving.
 
 The public surface (DESIGN.md): SamplingParams, Sequence, Scheduler, LLM.
 """
@@ -32,17 +39,20 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import random
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from cache import AttentionContext, BlockManager, KVCache, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
-from kernels import CompiledDecoder, choose_weight_layout, decode_step
-from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter, rejection_sample_batched
+from cache import BlockManager, KVCache, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
+from kernels import CompiledDecoder, StepInputs, choose_weight_layout
 from model import default_model_path, load_model
 from quantize import Int8KVCache, int8_kv_cache_bytes, quantize_model
+from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter, rejection_sample_batched
 from tokenizer import IncrementalDecoder, Tokenizer
 
 # ----------------------------------------------------------------------------
@@ -88,7 +98,8 @@ class SamplingParams:
             return isinstance(x, (int, float)) and not isinstance(x, bool)
         check(is_int(self.max_tokens) and 1 <= self.max_tokens <= L["max_tokens"], "max_tokens",
               f"an integer in [1, {L['max_tokens']}]")
-        check(is_num(self.temperature) and 0 <= self.temperature < math.inf, "temperature", "a finite number >= 0")
+        check(is_num(self.temperature) and 0 <= self.temperature < math.inf and _fits_float(self.temperature),
+              "temperature", "a finite number >= 0")
         check(is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")   # clamped to the vocabulary
         check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
         lo, hi = L["seed"]
@@ -114,55 +125,254 @@ class SamplingParams:
         return self.temperature < self.GREEDY_BELOW
 
 
+def _fits_float(x) -> bool:
+    """An int such as 10**400 compares fine but overflows once it meets a tensor."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
 def _short(value, limit: int = 80) -> str:
     """repr of a value for an error message, cut short (a stop list can be megabytes)."""
     r = repr(value)
     return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
 
 
-# ----------------------------------------------------------------------------
-# The sampler
-# ----------------------------------------------------------------------------
 
-def probs_from_logits(logits, temperature, top_k, top_p):
-    """Per-row temperature, top-k and top-p applied to logits [R, V] -> probabilities [R, V].
+# ----------------------------------------------------------------------------
+# 3. The sampler: costs what the request asks for
+# ----------------------------------------------------------------------------
+# Greedy rows (the common case) are one argmax: no sort, no softmax, no noise.
+# Only the rows that ask for top-k pay for a topk, only those with top-p < 1
+# for a sort. Every sampled row then draws its token with ONE uniform number,
+# by inverse CDF, in one vectorized operation for the whole batch.
+#
+# Where the uniform numbers come from is the trick. A per-request
+# torch.Generator would need one kernel launch per row (its state is
+# sequential), and a preempted request would replay different noise. Instead
+# the noise is counter-based: u = hash(request key, output position, stream),
+# a pure function, like JAX's or Philox's counters. The key mixes the
+# request's seed with the sample index, so a seeded request gets the same
+# tokens whatever else is in the batch, and after preemption, and no two
+# samples of one request share noise. Streams keep the noise of different
+# uses of one position (the draw, a draft's acceptance test, the draft
+# model's own draw) independent.
 
-    Rows with temperature 0 get a one-hot on the argmax (greedy), so greedy
-    and sampled rows share one code path (speculative verification uses the
-    same distributions for target and draft).
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15          # 2^64 / golden ratio: SplitMix64's increment
+DRAW, ACCEPT, DRAFT = 0, 1, 2        # noise streams
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that scrambles every bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
+    return x ^ (x >> 31)
+
+
+def sample_key(seed: int, index: int) -> int:
+    """The 64-bit key of one sample stream: a request's seed and its sample index."""
+    return _mix64((_mix64(seed & MASK64) + (index + 1) * GOLDEN) & MASK64)
+
+
+def uniform(key: int, position: int, stream: int = DRAW) -> float:
+    """u in [0, 1): the noise of output position `position` of a sample stream,
+    the (position * 3 + stream)-th output of a SplitMix64 generator started at key."""
+    return (_mix64((key + (position * 3 + stream + 1) * GOLDEN) & MASK64) >> 11) * 2.0 ** -53
+
+
+def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
+    """Probabilities [R, V] of sampled rows after temperature, top-k, then top-p.
+
+    logits [R, V] float32; temperature [R] tensor; top_k (0 = off) and top_p
+    (1 = off) as host lists, so no host-device round trip decides which rows
+    need filtering. Ties at a threshold are kept (a filter may keep a few
+    more tokens than asked when their logits are exactly equal).
     """
     R, V = logits.shape
-    greedy = temperature == 0
-    logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    # One descending sort serves both filters.
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)[:, None]
-    drop = rank >= k                                                     # top-k
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]  # top-p: mass before me >= p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))      # the top token is never dropped
-    probs = torch.empty_like(logits).scatter_(1, order, sorted_logits.softmax(dim=-1))
-    onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], onehot, probs)
+    logits = logits / temperature[:, None]
+    k_rows = [i for i, k in enumerate(top_k) if 0 < k < V]
+    if k_rows:                                      # top-k: keep logits >= the k-th largest
+        rows = torch.tensor(k_rows, device=logits.device)
+        sub = logits[rows]
+        vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values          # [Rk, kmax], descending
+        kth = vals.gather(1, torch.tensor([[top_k[i] - 1] for i in k_rows], device=logits.device))
+        logits[rows] = sub.masked_fill(sub < kth, float("-inf"))
+    p_rows = [i for i, p in enumerate(top_p) if p < 1]
+    if p_rows:                                      # top-p: the smallest prefix with mass >= p
+        rows = torch.tensor(p_rows, device=logits.device)
+        sub = logits[rows]
+        sorted_logits = sub.sort(dim=-1, descending=True).values
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs                                # mass strictly before each
+        p = torch.tensor([top_p[i] for i in p_rows], device=logits.device, dtype=probs.dtype)
+        n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True)             # >= 1: the top token stays
+        logits[rows] = sub.masked_fill(sub < sorted_logits.gather(1, n_keep - 1), float("-inf"))
+    return logits.softmax(dim=-1)
 
 
-def sample(probs, generators):
-    """One token per row of probs [R, V], each row drawn with its own generator.
+def draw(probs, u):
+    """Inverse-CDF sampling, one uniform per row: probs [R, V] (unnormalized is
+    fine), u [R] -> tokens [R]: the first token whose cumulative probability
+    exceeds u * total. A token of probability 0 adds nothing to the cumulative
+    sum, so it can never be chosen. float64: tail tokens of p ~ 1e-9 keep
+    their chance next to a cumulative sum near 1."""
+    cdf = probs.double().cumsum(dim=-1)                                      # [R, V]
+    x = (u.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp(max=probs.shape[1] - 1)
 
-    Exponential race: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i is an
-    exact sample from p (the Gumbel-max trick in another guise). The noise
-    of row r comes only from generators[r], so a seeded request gets the same
-    tokens no matter which other rows share the batch. A one-hot row (greedy)
-    returns its argmax whatever the noise.
+
+@dataclass
+class SampleRequest:
+    """What one sequence asks of this step's sampler (built on the host)."""
+    row: int                       # its first row in the logits
+    drafts: list                   # draft tokens to verify (empty: a plain sample)
+    params: SamplingParams
+    key: int                       # sample_key of the sequence
+    position: int                  # output index of the first token it will get
+    draft_probs: torch.Tensor | None = None   # [len(drafts), V] of a draft model (None: one-hot)
+
+
+def sample_tokens(logits, reqs: list[SampleRequest]):
+    """Every sequence's new tokens: a sample, or the accepted drafts + one.
+
+    Sequence s owns logits rows row_s .. row_s + k_s (k_s drafts). Plain
+    sampling is verification with k = 0, so one code path serves both.
+    Returns, on the host after the step's single wait for the device, per
+    sequence: (tokens, raw-logit logprobs info or None, finite: bool).
     """
-    noise = torch.stack([torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
-                         for g in generators])
-    return (probs / noise).argmax(dim=-1)
+    S, K = len(reqs), max(len(r.drafts) for r in reqs)
+    dev = logits.device
+    n = np.array([len(r.drafts) for r in reqs])
+    ridx = np.array([r.row for r in reqs])[:, None] + np.minimum(np.arange(K + 1)[None, :], n[:, None])
+    drafts = np.full((S, max(K, 1)), -1)
+    for s, r in enumerate(reqs):
+        drafts[s, :len(r.drafts)] = r.drafts
+    idx, d, n_t = (torch.as_tensor(a, device=dev) for a in (ridx, drafts, n))
+    best, argmax = logits.max(dim=-1)                          # [R]: greedy tokens, and a NaN/inf check
+    tokens = argmax[idx]                                       # [S, K+1]: the target's argmax per position
+    if K:                                                      # greedy rule: accept while draft == argmax
+        agree = (tokens[:, :K] == d[:, :K]) & (torch.arange(K, device=dev)[None] < n_t[:, None])
+        n_acc = agree.long().cumprod(dim=1).sum(dim=1)
+    else:
+        n_acc = torch.zeros(S, dtype=torch.long, device=dev)
+    sampled = [s for s, r in enumerate(reqs) if not r.params.greedy]
+    if sampled:
+        toks, acc = _sample_rows(logits, [reqs[s] for s in sampled], ridx[sampled], d[sampled], n_t[sampled])
+        sel = torch.as_tensor(sampled, device=dev)
+        tokens[sel], n_acc[sel] = toks, acc
+    finite = torch.isfinite(best[idx]).all(dim=1)
+    want_lp = [s for s, r in enumerate(reqs) if r.params.logprobs is not None]
+    lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], max(reqs[s].params.logprobs for s in want_lp)) \
+        if want_lp else []
+    host = fetch(torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1), *lp)
+    out = [(row[:row[K + 1] + 1], None, bool(row[K + 2])) for row in host[0]]
+    for j, s in enumerate(want_lp):                            # (chosen logprob, {alternative: logprob}) per token
+        m, k = out[s][0], reqs[s].params.logprobs
+        info = [(host[1][j][i], dict(zip(host[3][j][i][:k], host[2][j][i][:k]))) for i in range(len(m))]
+        out[s] = (m, info, out[s][2])
+    return out
+
+
+def _sample_rows(logits, reqs, ridx, d, n):
+    """Sampled (temperature > 0) sequences: filtered target distributions, the
+    rejection rule over the drafts, and one inverse-CDF draw each."""
+    S, K1 = ridx.shape
+    rows = torch.as_tensor(ridx.reshape(-1), device=logits.device)
+    per_row = lambda f: [f(r) for r in reqs for _ in range(K1)]                     # noqa: E731
+    temp = torch.tensor(per_row(lambda r: r.params.temperature), device=logits.device, dtype=logits.dtype)
+    probs = filtered_probs(logits[rows], temp, per_row(lambda r: r.params.top_k),
+                           per_row(lambda r: r.params.top_p)).view(S, K1, -1)           # [S, K+1, V]
+    dp = None
+    if any(r.draft_probs is not None for r in reqs):                                 # a draft model's p
+        dp = torch.zeros(S, K1 - 1, probs.shape[-1], device=logits.device)
+        for s, r in enumerate(reqs):
+            if r.draft_probs is not None:
+                dp[s, :len(r.drafts)] = r.draft_probs
+    accept_u = torch.tensor([[uniform(r.key, r.position + j, ACCEPT) for j in range(K1 - 1)] for r in reqs],
+                            device=logits.device, dtype=torch.float64).view(S, K1 - 1)
+    n_acc, final = rejection_sample_batched(probs, dp, d[:, :K1 - 1], n, accept_u)
+    # the extra token lands at output position + n_acc: that position's DRAW noise
+    draw_u = torch.tensor([[uniform(r.key, r.position + j) for j in range(K1)] for r in reqs],
+                          device=logits.device, dtype=torch.float64)
+    final_tok = draw(final, draw_u.gather(1, n_acc[:, None])[:, 0])
+    j = torch.arange(K1, device=logits.device)[None]
+    drafts = torch.cat([d[:, :K1 - 1], d.new_zeros(S, 1)], dim=1)
+    return torch.where(j < n_acc[:, None], drafts, final_tok[:, None]), n_acc
+
+
+def _logprobs(logits, ridx, tokens, top: int):
+    """log_softmax of the RAW logits (no temperature, no filtering, as OpenAI's
+    API and vLLM report them): the chosen tokens' values and the top alternatives."""
+    logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)   # [S', K+1, V]
+    chosen = logp.gather(-1, tokens[..., None])[..., 0]
+    alt = logp.topk(max(top, 1), dim=-1)
+    return [chosen, alt.values, alt.indices]
+
+
+def fetch(*tensors) -> list:
+    """Device -> host lists with ONE wait: the step's only synchronization."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return [t.tolist() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [h.tolist() for h in host]
 
 
 # ----------------------------------------------------------------------------
-# Sequences and requests
+# Stop strings, matched as the text streams
+# ----------------------------------------------------------------------------
+
+class StopStrings:
+    """Knuth-Morris-Pratt over the text as it streams: O(new characters) per step.
+
+    For each stop string we keep how many of its leading characters the text
+    currently ends with (`state`). A new character either extends that match
+    or falls back along the string's failure table (the longest proper prefix
+    that is also a suffix). The largest state is exactly how much trailing
+    text must be held back from a stream: it may still become a stop string.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.state = stops, [0] * len(stops)
+        self.fail = [self._failure(s) for s in stops]
+
+    @staticmethod
+    def _failure(s: str) -> list[int]:
+        f, k = [0] * len(s), 0
+        for i in range(1, len(s)):
+            while k and s[i] != s[k]:
+                k = f[k - 1]
+            k += s[i] == s[k]
+            f[i] = k
+        return f
+
+    def feed(self, text: str):
+        """Advance over text. Returns (end, length) of the first stop string
+        completed in it (end is an index into text, exclusive), or None."""
+        for i, ch in enumerate(text):
+            hit = 0
+            for j, s in enumerate(self.stops):
+                k = self.state[j]
+                while k and s[k] != ch:
+                    k = self.fail[j][k - 1]
+                k += s[k] == ch
+                if k == len(s):
+                    hit, k = max(hit, k), self.fail[j][k - 1]
+                self.state[j] = k
+            if hit:                   # several end here: the longest started first
+                return i + 1, hit
+        return None
+
+    @property
+    def partial(self) -> int:
+        """Trailing characters that may still turn into a stop string."""
+        return max(self.state)
+
+
+# ----------------------------------------------------------------------------
+# Requests, sequences and their outputs
 # ----------------------------------------------------------------------------
 
 @dataclass
@@ -188,14 +398,34 @@ class RequestMetrics:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
 
-@dataclass
 class Completion:
-    """One sample of a request (n > 1 gives several)."""
-    index: int
-    text: str
-    token_ids: list
-    finish_reason: str | None       # "stop" | "length" | "abort" | None while running
-    logprobs: list | None = None    # per token: (logprob, {alternative id: logprob})
+    """One sample of a request, as of the step that reported it.
+
+    new_text / new_token_ids / new_logprobs: what this step added (a stream
+    sends exactly these; stop-string hold-back is already applied, so the
+    concatenation of every new_text is the final text). text / token_ids /
+    logprobs: everything so far, read lazily. A sequence's token list and
+    text pieces only ever grow, so a snapshot is just their lengths at that
+    moment: O(new tokens) per step, never the whole text rebuilt.
+    """
+
+    def __init__(self, seq: "Sequence", new_text: str, new_token_ids: list, new_logprobs):
+        self._seq, self.index, self.finish_reason = seq, seq.index, seq.finish_reason
+        self._tokens, self._pieces = len(seq.token_ids) - seq.num_prompt, len(seq.pieces)
+        self.new_text, self.new_token_ids, self.new_logprobs = new_text, new_token_ids, new_logprobs
+
+    @property
+    def text(self) -> str:
+        return "".join(self._seq.pieces[:self._pieces])
+
+    @property
+    def token_ids(self) -> list:
+        return self._seq.token_ids[self._seq.num_prompt:self._seq.num_prompt + self._tokens]
+
+    @property
+    def logprobs(self):             # per token: (logprob, {alternative id: logprob}), or None
+        lps = self._seq.logprobs
+        return None if lps is None else lps[:self._tokens]
 
 
 @dataclass
@@ -205,6 +435,7 @@ class RequestOutput:
     outputs: list                   # [Completion] * n
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None        # why the request failed (finish_reason "error")
 
     # The common case (n == 1) reads like one completion: outs[i].text
     @property
@@ -226,19 +457,19 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 class Request:
     """What a user asked for: a prompt, its params, and its n sequences."""
 
-    def __init__(self, request_id, prompt_ids, params, arrival_time):
-        self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+    def __init__(self, request_id, prompt_ids, params, arrival_time, seed: int):
+        self.request_id, self.prompt_ids, self.params, self.seed = request_id, prompt_ids, params, seed
         self.seqs: list[Sequence] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_ids))
+        self.error: str | None = None
 
     @property
     def finished(self):
         return len(self.seqs) == self.params.n and all(s.status == FINISHED for s in self.seqs)
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt_ids,
-                             [Completion(s.index, s.text, s.output_ids, s.finish_reason, s.logprobs)
-                              for s in self.seqs], self.finished, self.metrics)
+        return RequestOutput(self.request_id, self.prompt_ids, [s.snapshot() for s in self.seqs],
+                             self.finished, self.metrics, self.error)
 
 
 class Sequence:
@@ -251,36 +482,87 @@ class Sequence:
     """
     _ids = itertools.count()
 
-    def __init__(self, request: Request, token_ids: list, index: int, generator, tokenizer):
+    def __init__(self, request: Request, token_ids: list, index: int, tokenizer):
         self.seq_id = next(Sequence._ids)
         self.request, self.params, self.index = request, request.params, index
         self.token_ids = list(token_ids)
         self.num_prompt = len(request.prompt_ids)
         self.num_computed = 0
         self.status = WAITING
-        self.generator = generator
+        self.key = sample_key(request.seed, index)          # its counter-based noise (sampler)
         self.draft_tokens: list[int] = []        # proposed this step (speculative decoding)
         self.draft_probs = None                  # their draft distributions [k, V] (None: one-hot)
         self.decoder = IncrementalDecoder(tokenizer)
-        self.text = ""
+        self.stops = StopStrings(self.params.stop) if self.params.stop else None
+        self.pieces: list[str] = []              # the text, in the pieces released so far
+        self.pending = ""                        # decoded text held back: may start a stop string
         self.finish_reason = None
-        self.logprobs = [] if request.params.logprobs is not None else None
+        self.logprobs = [] if self.params.logprobs is not None else None
+        self._reported = (0, 0)                  # (tokens, pieces) already in an output
 
     @property
     def output_ids(self):
         return self.token_ids[self.num_prompt:]
 
     @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
     def remaining(self) -> int:
         """Known tokens whose K/V are not yet in the cache."""
         return len(self.token_ids) - self.num_computed
+
+    def add_text(self, delta: str) -> bool:
+        """Stream newly decoded text through the stop strings. Releases what can
+        no longer change into self.pieces; returns True if a stop string
+        completed (the text is then cut just before it)."""
+        text = self.pending + delta
+        hit = self.stops.feed(delta) if self.stops else None
+        if hit is not None:
+            end, length = hit
+            cut, self.pending = len(self.pending) + end - length, ""
+        else:
+            cut = len(text) - (self.stops.partial if self.stops else 0)
+            self.pending = text[cut:]
+        if cut > 0:
+            self.pieces.append(text[:cut])
+        return hit is not None
+
+    def append(self, token: int, logprob, eos_token_id, max_len: int) -> str | None:
+        """Add a token, stream its text, and return why the sequence stops
+        ("stop" | "length") or None."""
+        self.token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        p = self.params
+        hit = self.add_text(self.decoder.push(token))                    # a stop string completed
+        if hit or (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif self.num_output >= p.max_tokens or len(self.token_ids) >= max_len:
+            reason = "length"
+        else:
+            return None
+        if not hit:        # the text ends here: release the held-back tail, and an unfinished character
+            tail, self.pending = self.pending + self.decoder.flush(), ""
+            if tail:
+                self.pieces.append(tail)
+        return reason
+
+    def snapshot(self) -> Completion:
+        """This sequence as a Completion, with what changed since the last one."""
+        t0, p0 = self._reported
+        n, p = self.num_output, len(self.pieces)
+        self._reported = (n, p)
+        new_lp = None if self.logprobs is None else self.logprobs[t0:n]
+        return Completion(self, "".join(self.pieces[p0:p]), self.token_ids[self.num_prompt + t0:], new_lp)
 
     def __repr__(self):
         return f"Sequence({self.seq_id}, {self.status}, {self.num_computed}/{len(self.token_ids)})"
 
 
 # ----------------------------------------------------------------------------
-# The scheduler
+# 1. The scheduler
 # ----------------------------------------------------------------------------
 
 @dataclass
@@ -288,7 +570,12 @@ class ScheduledSeq:
     seq: Sequence
     start: int              # first position fed this step (= num_computed before the step)
     count: int              # tokens fed: a prefill chunk, 1, or 1 + len(drafts)
-    slots: list             # their slots in the KV cache
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids fed: a prefill chunk, or the last sampled token (+ drafts to verify)."""
+        seq = self.seq
+        return (seq.token_ids[self.start:] + seq.draft_tokens)[:self.count]
 
 
 class Scheduler:
@@ -297,8 +584,11 @@ class Scheduler:
     Order of a step: (1) one token (1 + drafts) for every running sequence
     that is decoding, preempting the newest running sequence whenever the
     KV pool cannot give one its next slot; (2) the next chunk of running
-    sequences still prefilling; (3) waiting sequences, oldest first, while
-    seats (max_num_seqs), budget and free blocks last.
+    sequences still prefilling, as much as the pool holds; (3) waiting
+    sequences, oldest first, while seats (max_num_seqs), budget and free
+    blocks last. If that schedules nothing although sequences are running
+    (prefills that each hold part of a full pool), the newest gives its
+    blocks back, so the oldest can always finish.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -319,6 +609,11 @@ class Scheduler:
         """Seats a sequence takes: a request with n > 1 forks when its prompt is done."""
         return seq.params.n if len(seq.request.seqs) == 1 and seq.params.n > 1 else 1
 
+    def _fit(self, seq, start: int, count: int) -> int:
+        """How many of `count` tokens from `start` the pool can take now (no shared blocks)."""
+        table, bs = self.bm.tables[seq.seq_id], self.bm.block_size
+        return max(0, min(count, len(table) * bs - start + self.bm.num_free_blocks * bs))
+
     def preempt(self, seq: Sequence):
         """Preemption by recompute: drop the cache, keep the tokens, requeue first."""
         self.running.remove(seq)
@@ -331,42 +626,48 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> list[ScheduledSeq]:
+        for _ in range(len(self.running) + 1):
+            out = self._schedule_once()
+            if out or not self.running:
+                return out
+            self.preempt(self.running[-1])      # stuck: every running sequence waits for blocks
+        return []
+
+    def _schedule_once(self) -> list[ScheduledSeq]:
         # The token budget bounds the work of one forward pass: decode tokens are
         # cheap (memory-bound), prefill tokens are compute; chunking long prompts
         # keeps every step short so running sequences never stall behind a prompt.
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
-        scheduled = set()
 
         # (1) decoding sequences, oldest first: 1 token (+ drafts) each.
         for seq in [s for s in self.running if s.remaining == 1]:
-            if seq not in self.running:        # preempted below as a victim
+            if seq.status != RUNNING:            # preempted below as a victim
                 continue
             count = 1 + len(seq.draft_tokens)
-            if count > budget:
-                seq.draft_tokens = []
-                count = 1
+            if count > budget:                   # no room to verify: drop the drafts
+                seq.draft_tokens, seq.draft_probs, count = [], None, 1
                 if budget == 0:
                     break
             while not self.bm.can_append(seq.seq_id, seq.num_computed, count):
-                victim = self.running[-1]      # the newest sequence gives its blocks back
+                victim = self.running[-1]        # the newest sequence gives its blocks back
                 self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status != RUNNING:
                 continue
-            out.append(ScheduledSeq(seq, seq.num_computed, count,
-                                    self.bm.append_slots(seq.seq_id, seq.num_computed, count)))
-            scheduled.add(seq)
+            self.bm.reserve(seq.seq_id, seq.num_computed, count)
+            out.append(ScheduledSeq(seq, seq.num_computed, count))
             budget -= count
+        scheduled = {item.seq for item in out}
 
         # (2) running sequences in the middle of a chunked prefill.
         for seq in [s for s in self.running if s not in scheduled]:
-            count = min(seq.remaining, budget)
-            if count == 0 or not self.bm.can_append(seq.seq_id, seq.num_computed, count):
+            count = self._fit(seq, seq.num_computed, min(seq.remaining, budget))
+            if count == 0:
                 continue
-            out.append(ScheduledSeq(seq, seq.num_computed, count,
-                                    self.bm.append_slots(seq.seq_id, seq.num_computed, count)))
+            self.bm.reserve(seq.seq_id, seq.num_computed, count)
+            out.append(ScheduledSeq(seq, seq.num_computed, count))
             budget -= count
 
         # (3) admit waiting sequences in arrival order (no skipping ahead).
@@ -375,8 +676,8 @@ class Scheduler:
             if len(self.running) + self._seats(seq) > self.max_num_seqs:
                 break
             cached = self.bm.allocate(seq.seq_id, seq.token_ids)     # prefix cache hits
-            count = min(len(seq.token_ids) - cached, budget)
-            if not self.bm.can_append(seq.seq_id, cached, count):
+            count = self._fit(seq, cached, min(len(seq.token_ids) - cached, budget))
+            if count == 0:
                 self.bm.free(seq.seq_id)                             # no room yet: try next step
                 break
             self.waiting.popleft()
@@ -385,20 +686,201 @@ class Scheduler:
                 seq.request.metrics.first_scheduled_time = time.perf_counter()
                 seq.request.metrics.cached_tokens = cached
             self.running.append(seq)
-            out.append(ScheduledSeq(seq, cached, count, self.bm.append_slots(seq.seq_id, cached, count)))
+            self.bm.reserve(seq.seq_id, cached, count)
+            out.append(ScheduledSeq(seq, cached, count))
             budget -= count
         return out
 
+    # Forking happens before the forward pass, after the parent's slots were
+    # allocated: the children share exactly the blocks this step fills.
+    def fork(self, seq: Sequence, num_computed: int, tokenizer) -> list[Sequence]:
+        """n > 1: when the prompt is done, add n - 1 sequences sharing its blocks."""
+        req, children = seq.request, []
+        while len(req.seqs) < req.params.n:
+            child = Sequence(req, seq.token_ids, len(req.seqs), tokenizer)
+            child.status, child.num_computed = RUNNING, num_computed
+            self.bm.fork(seq.seq_id, child.seq_id)               # ref counts up, nothing copied
+            req.seqs.append(child)
+            self.running.append(child)
+            children.append(child)
+        return children
+
     def finish(self, seq: Sequence):
-        if seq in self.running:
+        if seq.status == RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status == WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         if seq.seq_id in self.bm.tables:
             self.bm.free(seq.seq_id)
         for hook in self.release_hooks:
             hook(seq)
         seq.status = FINISHED
+
+
+# ----------------------------------------------------------------------------
+# Speculative decoding: the engine's side (speculative.py has the drafters and the rule)
+# ----------------------------------------------------------------------------
+
+class Speculation:
+    """Drafts before a step, bookkeeping after it. The target verifies the
+    drafts in the step's one forward pass; sample_tokens applies the rule."""
+
+    def __init__(self, drafter, k: int, stats: dict):
+        self.drafter, self.k, self.stats = drafter, k, stats
+
+    def propose(self, running, max_len: int, draft_sample, fail):
+        """Up to k drafts for every decoding sequence (never past max_tokens or
+        the context: the last token is the target's). A drafter error fails
+        only the requests whose own drafts raise (retried one by one)."""
+        asks = []
+        for seq in running:
+            seq.draft_tokens, seq.draft_probs = [], None
+            k = min(self.k, seq.params.max_tokens - seq.num_output - 1, max_len - len(seq.token_ids) - 1)
+            if seq.remaining == 1 and k > 0:
+                asks.append((seq, (seq.seq_id, seq.token_ids, k)))
+        try:
+            drafts = self.drafter.propose([a for _, a in asks], draft_sample(asks))
+        except Exception:
+            drafts = []
+            for seq, ask in asks:
+                try:
+                    drafts += self.drafter.propose([ask], draft_sample([(seq, ask)]))
+                except Exception as e:
+                    drafts.append(([], None))
+                    fail(seq.request, f"drafting failed: {e!r}")
+        for (seq, _), (tokens, probs) in zip(asks, drafts):
+            if seq.status == RUNNING:
+                seq.draft_tokens, seq.draft_probs = list(tokens), probs
+
+    def verified(self, seq, n_accepted: int, block_manager):
+        """After the target's pass: keep the cache of the accepted drafts only."""
+        m = len(seq.draft_tokens)
+        # K/V are valid for the fed last token and the accepted drafts; the
+        # final token (correction or bonus) is fed next step like any sample.
+        seq.num_computed = len(seq.token_ids) + n_accepted
+        block_manager.truncate(seq.seq_id, seq.num_computed)
+        self.drafter.rollback(seq.seq_id, seq.num_computed)
+        met = seq.request.metrics
+        met.draft_tokens, met.accepted_tokens, met.verify_steps = \
+            met.draft_tokens + m, met.accepted_tokens + n_accepted, met.verify_steps + 1
+        self.stats["draft_tokens"] += m
+        self.stats["accepted_tokens"] += n_accepted
+        self.stats["verify_steps"] += 1
+        seq.draft_tokens, seq.draft_probs = [], None
+
+
+def draft_sampler(asks):
+    """The draft model samples with each request's own params and noise
+    (stream DRAFT); greedy requests take its argmax."""
+    seqs = [seq for seq, _ in asks]
+
+    def draft_sample(logits, idx, step):
+        rs = [SampleRequest(j, [], seqs[i].params, seqs[i].key, seqs[i].num_output + step)
+              for j, i in enumerate(idx)]
+        greedy = torch.tensor([r.params.greedy for r in rs], device=logits.device)
+        probs = filtered_probs(logits.float(), torch.tensor([max(r.params.temperature, 1e-5) for r in rs],
+                               device=logits.device), [r.params.top_k for r in rs], [r.params.top_p for r in rs])
+        probs = torch.where(greedy[:, None], torch.zeros_like(probs).scatter_(
+            1, logits.argmax(-1, keepdim=True), 1.0), probs)
+        u = torch.tensor([uniform(r.key, r.position, DRAFT) for r in rs], device=logits.device)
+        return draw(probs, u).tolist(), probs
+    return draft_sample
+
+
+def make_drafter(speculative, k, max_num_batched_tokens, target, tokenizer, pool_blocks, block_size,
+                 device, dtype, make_inputs):
+    """None | "ngram" | a draft model directory -> a drafter (speculative.py)."""
+    if speculative is None:
+        return None
+    if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+    if max_num_batched_tokens < k + 1:
+        raise ValueError(f"speculation needs max_num_batched_tokens >= num_speculative_tokens + 1 = {k + 1}")
+    if speculative == "ngram":
+        return NgramDrafter()
+    if not isinstance(speculative, str) or not os.path.isdir(speculative):
+        raise ValueError(f"speculative must be None, 'ngram' or a draft model directory, got {speculative!r}")
+    draft, cfg = load_model(speculative, device=device, dtype=dtype)
+    vocab = Tokenizer.from_pretrained(speculative).ranks
+    if cfg.vocab_size != target.vocab_size or vocab != tokenizer.ranks:
+        raise ValueError(f"the draft model at {speculative} has a different vocabulary "
+                         f"({cfg.vocab_size} tokens) than the target ({target.vocab_size})")
+    return ModelDrafter(draft, pool_blocks, block_size, device, dtype, make_inputs)
+
+
+# ----------------------------------------------------------------------------
+# Setting up an engine: the KV pool and the compiled path
+# ----------------------------------------------------------------------------
+
+def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cache_dtype, scratch: int):
+    """The KV pool: as many blocks as the byte budget allows (the lecture's formula).
+
+    Sizing the pool is the central memory trade-off of serving: every byte
+    given to the KV cache is a byte more of concurrent context. `scratch`
+    extra blocks are kept out of the block manager's hands (kernels.py:
+    padded rows of a compiled step write there). Returns (cache, usable blocks).
+    """
+    if kv_cache_dtype not in (None, "int8"):
+        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
+    int8_kv = kv_cache_dtype == "int8"
+    per_token = int8_kv_cache_bytes(cfg) if int8_kv else kv_cache_bytes(cfg, dtype)
+    if budget is None:
+        if device.type == "cuda":       # most of what the weights left free
+            budget = int(0.8 * torch.cuda.mem_get_info(device)[0])
+        else:
+            budget = 1 << 30            # 1 GiB on CPU; set kv_cache_bytes to change it
+    num_blocks = num_blocks_for_budget(per_token, block_size, budget)
+    if num_blocks < 1 + scratch:
+        raise ValueError(f"kv_cache_bytes={budget} is too small for {1 + scratch} block(s) of "
+                         f"{block_size} tokens ({per_token * block_size} bytes each)")
+    cache = (Int8KVCache if int8_kv else KVCache)(cfg, num_blocks, block_size, device, dtype)
+    value = f"(1 B + 4/{cfg.head_dim} B of scale)" if int8_kv else f"{torch.finfo(dtype).bits // 8} B"
+    print(f"nanoinfer: KV cache {num_blocks - scratch} blocks x {block_size} tokens = "
+          f"{(num_blocks - scratch) * block_size} tokens; {per_token} B/token = 2*{cfg.n_layers} layers*"
+          f"{cfg.n_kv_heads} kv heads*{cfg.head_dim} dims*{value}; {cache.total_bytes / 2**20:.1f} MiB allocated")
+    return cache, num_blocks - scratch
+
+
+def make_compiled_decoder(model, cache, max_num_seqs: int, max_len: int, block_size: int, scratch_block: int):
+    """compile=True: pure decode steps through torch.compile (kernels.py), every
+    batch-size bucket compiled now rather than in the middle of serving."""
+    layout = choose_weight_layout(model)
+    decoder = CompiledDecoder(model, cache, max_num_seqs, math.ceil(max_len / block_size), scratch_block)
+    seconds = decoder.warmup()
+    print(f"nanoinfer: compiled decode for batch buckets {decoder.batch_sizes} and table widths "
+          f"{decoder.widths} in {seconds:.1f} s (weight layout: {layout})")
+    return decoder, seconds, layout
+
+
+def encode_prompt(prompt, tokenizer, vocab_size: int) -> list[int]:
+    """A prompt (a string, or token ids) as token ids, or a clear error."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, allow_special=True)   # the caller owns the whole prompt
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"token ids must be in [0, {vocab_size})")
+    else:
+        raise TypeError("a prompt is a string or a list of token ids")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def resolve_device_dtype(device, dtype, quantization):
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if dtype == "auto":      # bf16 halves the bytes per step on GPU. On CPU float32, where
+        # every path is bit-exact against the dense reference (bench.py measures bf16 too:
+        # faster on the machine in the README); int8 takes bf16 activations (quantize.py)
+        dtype = torch.float32 if device.type == "cpu" and quantization is None else torch.bfloat16
+    elif isinstance(dtype, str):
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if dtype not in names:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
+        dtype = names[dtype]
+    return device, dtype
 
 
 # ----------------------------------------------------------------------------
@@ -424,94 +906,39 @@ class LLM:
                  max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True,
                  quantization=None, kv_cache_dtype=None, compile=False, speculative=None,
                  num_speculative_tokens=4):
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if dtype == "auto":      # bf16 halves the bytes per step on GPU. On CPU float32, where
-            # every path is bit-exact against the dense reference (bench.py measures bf16 too:
-            # faster on the machine in the README); int8 takes bf16 activations (quantize.py)
-            cpu_fp32 = self.device.type == "cpu" and quantization is None
-            dtype = torch.float32 if cpu_fp32 else torch.bfloat16
-        elif isinstance(dtype, str):
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        self.device, self.dtype = resolve_device_dtype(device, dtype, quantization)
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if kv_cache_dtype not in (None, "int8"):
-            raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
         self.path = path or default_model_path()
-        self.model, self.config = load_model(self.path, device=self.device, dtype=dtype)
+        self.model, self.config = load_model(self.path, device=self.device, dtype=self.dtype)
         if quantization is not None:       # int8 weights: a quarter of fp32's bytes per step
             quantize_model(self.model, quantization)
         self.tokenizer = Tokenizer.from_pretrained(self.path)
-        self.dtype = dtype
-
-        # Sizing the pool is the central memory trade-off of serving: every byte
-        # given to the KV cache is a byte more of concurrent context.
-        # The KV pool: as many blocks as the budget allows (the lecture's formula).
-        int8_kv = kv_cache_dtype == "int8"
-        per_token = int8_kv_cache_bytes(self.config) if int8_kv else globals()["kv_cache_bytes"](self.config, dtype)
-        if kv_cache_bytes is None:
-            if self.device.type == "cuda":   # most of what the weights left free
-                kv_cache_bytes = int(0.8 * torch.cuda.mem_get_info(self.device)[0])
-            else:
-                kv_cache_bytes = 1 << 30     # 1 GiB on CPU; set kv_cache_bytes to change it
-        num_blocks = num_blocks_for_budget(per_token, block_size, kv_cache_bytes)
         scratch = 1 if compile else 0      # kernels.py: padded rows write into a block no sequence owns
-        if num_blocks < 1 + scratch:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is too small for {1 + scratch} block(s) of "
-                             f"{block_size} tokens ({per_token * block_size} bytes each)")
-        self.cache = (Int8KVCache if int8_kv else KVCache)(self.config, num_blocks, block_size, self.device, dtype)
-        num_blocks -= scratch              # the last block of the pool is the scratch block
+        self.cache, num_blocks = make_kv_pool(self.config, self.dtype, self.device, block_size, kv_cache_bytes,
+                                              kv_cache_dtype, scratch)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.inputs = StepInputs(self.block_manager, self.device)
         # The longest sequence that can ever run: the context, or the whole pool.
         self.max_len = min(self.config.max_seq_len, num_blocks * block_size)
-        c = self.config
-        value = f"(1 B + 4/{c.head_dim} B of scale)" if int8_kv else f"{torch.finfo(dtype).bits // 8} B"
-        print(f"nanoinfer: KV cache {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} "
-              f"tokens; {per_token} B/token = 2*{c.n_layers} layers*{c.n_kv_heads} kv heads*{c.head_dim} dims"
-              f"*{value}; {self.cache.total_bytes / 2**20:.1f} MiB allocated")
-
-        # compile=True: pure decode steps run through torch.compile (kernels.py),
-        # every batch-size bucket compiled now rather than in the middle of serving.
         self.decoder, self.compile_seconds, self.weight_layout = None, 0.0, "default"
         if compile:
-            layout = self.weight_layout = choose_weight_layout(self.model)
-            self.decoder = CompiledDecoder(self.model, self.cache, max_num_seqs,
-                                           math.ceil(self.max_len / block_size), scratch_block=num_blocks)
-            self.compile_seconds = self.decoder.warmup()
-            print(f"nanoinfer: compiled decode for batch buckets {self.decoder.batch_sizes} and table widths "
-                  f"{self.decoder.widths} in {self.compile_seconds:.1f} s (weight layout: {layout})")
-
+            self.decoder, self.compile_seconds, self.weight_layout = make_compiled_decoder(
+                self.model, self.cache, max_num_seqs, self.max_len, block_size, scratch_block=num_blocks)
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
-        self._rng = torch.Generator().manual_seed(0)   # seeds the unseeded requests
+        self._rng = random.Random(0)       # seeds the unseeded requests (reproducible runs)
         self.stats = {"steps": 0, "batched_tokens": 0,     # forward passes, and tokens they processed
                       "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0}
-        self.drafter = self._make_drafter(speculative, num_speculative_tokens, max_num_batched_tokens)
-        self.num_speculative_tokens = num_speculative_tokens
+        self.drafter = make_drafter(speculative, num_speculative_tokens, max_num_batched_tokens, self.config,
+                                    self.tokenizer, num_blocks, block_size, self.device, self.dtype,
+                                    lambda bm: StepInputs(bm, self.device))
+        self.speculation = None if self.drafter is None else \
+            Speculation(self.drafter, num_speculative_tokens, self.stats)
         if self.drafter is not None:    # a finished or preempted sequence leaves the draft cache too
             self.scheduler.release_hooks.append(lambda seq: self.drafter.release(seq.seq_id))
-
-    def _make_drafter(self, speculative, k, max_num_batched_tokens):
-        if speculative is None:
-            return None
-        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        if max_num_batched_tokens < k + 1:
-            raise ValueError(f"speculation needs max_num_batched_tokens >= num_speculative_tokens + 1 = {k + 1}")
-        if speculative == "ngram":
-            return NgramDrafter()
-        if not isinstance(speculative, str) or not os.path.isdir(speculative):
-            raise ValueError(f"speculative must be None, 'ngram' or a draft model directory, got {speculative!r}")
-        draft, cfg = load_model(speculative, device=self.device, dtype=self.dtype)
-        vocab = Tokenizer.from_pretrained(speculative).ranks
-        if cfg.vocab_size != self.config.vocab_size or vocab != self.tokenizer.ranks:
-            raise ValueError(f"the draft model at {speculative} has a different vocabulary "
-                             f"({cfg.vocab_size} tokens) than the target ({self.config.vocab_size})")
-        return ModelDrafter(draft, self.block_manager.num_blocks, self.block_manager.block_size,
-                            self.device, self.dtype)
 
     # -- requests --------------------------------------------------------------
 
@@ -521,265 +948,158 @@ class LLM:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, allow_special=True)   # the caller owns the whole prompt
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            ids = list(prompt)
-            if any(not 0 <= t < self.config.vocab_size for t in ids):
-                raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
-        else:
-            raise TypeError("a prompt is a string or a list of token ids")
-        if not ids:
-            raise ValueError("the prompt is empty")
+        ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size)
         if len(ids) >= self.max_len:
             where = "context" if self.max_len == self.config.max_seq_len else "KV cache pool"
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's {where} holds "
                              f"{self.max_len}, which leaves no room to generate")
+        if params.n > self.scheduler.max_num_seqs:   # its n samples could never run side by side
+            raise ValueError(f"n={params.n} samples need {params.n} batch seats; this engine runs at most "
+                             f"max_num_seqs={self.scheduler.max_num_seqs} sequences")
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, ids, params, time.perf_counter())
-        req.seqs.append(Sequence(req, ids, 0, self._generator(params, 0), self.tokenizer))
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        req = Request(request_id, ids, params, time.perf_counter(), seed)
+        req.seqs.append(Sequence(req, ids, 0, self.tokenizer))
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         return request_id
 
-    def _generator(self, params, index):
-        """Every sequence draws from its own generator: seed + sample index, or a fresh seed."""
-        seed = params.seed + index if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
-        return torch.Generator(device=self.device).manual_seed(seed)
-
     def abort(self, request_id: str):
         """Stop a request now and give its blocks back."""
         req = self.requests.pop(str(request_id), None)
-        if req is None:
-            return
-        for seq in req.seqs:
-            if seq.status != FINISHED:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
-        req.metrics.finish_time = time.perf_counter()
+        if req is not None:
+            self._finish_request(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    # -- one step --------------------------------------------------------------
+    def _finish_request(self, req: Request, reason: str, error: str | None = None):
+        for seq in req.seqs:
+            if seq.status != FINISHED:
+                self.scheduler.finish(seq)
+                seq.finish_reason = reason
+        req.error = error
+        req.metrics.finish_time = time.perf_counter()
+
+    def _fail(self, req: Request, message: str) -> Request:
+        """A request that went wrong finishes alone: finish_reason "error", blocks freed."""
+        self.requests.pop(req.request_id, None)
+        self._finish_request(req, "error", message)
+        return req
+
+    # -- one step: schedule, forward, sample, append ----------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass over all scheduled tokens, sample, append.
+        """Returns the requests that made progress (a finished one for the last time)."""
+        failed: dict[str, Request] = {}
+        fail = lambda req, msg: failed.setdefault(req.request_id, self._fail(req, msg))   # noqa: E731
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler.running, self.max_len, draft_sampler, fail)
+        batch = []
+        try:
+            batch = self.scheduler.schedule()                     # 1. who runs, how many tokens each
+            if not batch:
+                self._unschedulable(fail)
+                return [r.output() for r in failed.values()]
+            asks, rows = self._sample_requests(batch)             # who samples from which logits rows
+            logits = self._forward(batch, rows)                   # 2. one pass over every scheduled token
+            new = sample_tokens(logits, [a for _, a in asks]) if asks else []   # 3. one wait for the device
+        except Exception as e:                                    # no single request explains it
+            print(f"nanoinfer: engine step failed: {e!r}", file=sys.stderr)
+            self.block_manager.pending_copies.clear()
+            for seq in [it.seq for it in batch] if batch else list(self.scheduler.running):
+                fail(seq.request, f"engine step failed: {e!r}")
+            return [r.output() for r in failed.values()]
+        return self._append_all(batch, asks, new, fail, failed)   # 4. append, stop, report
 
-        Returns the current state of every request that made progress; a
-        finished request is returned one last time (finished=True), then forgotten.
-        """
-        if self.drafter is not None:
-            self._propose_drafts()
-        # 1. schedule: who runs, how many tokens each (may preempt).
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        # 2. Which rows of the flat batch need logits: the last position of every
-        # sequence whose cache will hold all its known tokens after this step
-        # (it samples a next token), or all 1 + k positions of a verification.
-        rows, offset = [], 0                       # (sequence, its rows)
+    def _unschedulable(self, fail):
+        """Nothing could run although requests wait: with nothing running, the
+        oldest waiting request can never fit. Fail it rather than spin."""
+        if not self.scheduler.running and self.scheduler.waiting:
+            seq = self.scheduler.waiting[0]
+            fail(seq.request, f"request {seq.request.request_id} cannot be scheduled even in an empty "
+                              f"engine ({len(seq.token_ids)} tokens, {self.block_manager.num_blocks} blocks)")
+
+    def _sample_requests(self, batch):
+        """Which sequences sample this step, from which logits rows: the last
+        position of every sequence whose cache will hold all its known tokens
+        (it samples a next token), or all 1 + k positions of a verification.
+        A prompt of a request with n > 1 forks here (copy-on-write)."""
+        asks, rows, end = [], [], 0
         for item in batch:
-            offset += item.count
             seq = item.seq
+            end += item.count                      # this sequence's tokens end here in the flat batch
             if seq.draft_tokens:
-                rows.append((seq, list(range(offset - item.count, offset))))
+                asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
+                                                seq.num_output, seq.draft_probs)))
+                rows += range(end - item.count, end)
             elif item.start + item.count == len(seq.token_ids):
-                rows.append((seq, [offset - 1]))
-                rows += [(child, [offset - 1]) for child in self._fork(seq, item.start + item.count)]
-        # 3. one forward pass over the flat batch of every scheduled token.
-        flat_rows = [r for _, rs in rows for r in rs]
-        logits = self._forward(batch, flat_rows)                      # [len(flat_rows), V]
+                for s in [seq] + self.scheduler.fork(seq, item.start + item.count, self.tokenizer):   # children share the row
+                    asks.append((s, SampleRequest(len(rows), [], s.params, s.key, s.num_output)))
+                rows.append(end - 1)
+        return asks, rows
+
+    def _forward(self, batch: list[ScheduledSeq], logits_rows: list[int]):
+        """One forward pass over the flat batch of every scheduled token."""
+        apply_pending_copies(self.cache, self.block_manager)     # copy-on-write before anyone writes
+        N = sum(item.count for item in batch)
+        all_rows = logits_rows == list(range(N))
+        hb = self.inputs.host([(it.seq.seq_id, it.tokens, it.start) for it in batch],
+                              None if all_rows else logits_rows)
+        if self.decoder is not None and hb.is_decode and len(batch) <= self.decoder.batch_sizes[-1]:
+            logits = self.decoder(hb.input_ids, hb.positions, hb.slot_mapping, self.inputs.tables[hb.rows])
+            return logits if all_rows else logits[torch.as_tensor(logits_rows, device=logits.device)]
+        input_ids, positions, ctx = self.inputs.device(hb, self.cache)
+        return self.model(input_ids, positions, ctx)             # [len(logits_rows), V]
+
+    def _append_all(self, batch, asks, new, fail, failed) -> list[RequestOutput]:
+        """Append every sequence's new tokens; an error in one (its text, its
+        stop strings, non-finite logits) fails only its request."""
         for item in batch:
             item.seq.num_computed = item.start + item.count
-        probs = self._probs(logits, [seq for seq, rs in rows for _ in rs])
-
-        # Decide each sequence's new tokens: a plain sample, or the verified drafts.
-        new_tokens, i = {}, 0
-        plain = [(seq, i0) for seq, i0 in self._row_starts(rows) if not seq.draft_tokens]
-        if plain:
-            toks = sample(probs[[i0 for _, i0 in plain]], [seq.generator for seq, _ in plain]).tolist()
-            new_tokens.update({seq: [t] for (seq, _), t in zip(plain, toks)})
-        verify = [(seq, i0) for seq, i0 in self._row_starts(rows) if seq.draft_tokens]
-        if verify:
-            new_tokens.update(self._verify(verify, probs))
-
-        for seq, i0 in self._row_starts(rows):
-            for j, token in enumerate(new_tokens[seq]):
+        for (seq, ask), (tokens, logprobs, finite) in zip(asks, new):
+            try:
                 if seq.status != RUNNING:
-                    break                          # stopped by an earlier token of this step
-                self._append(seq, token, self._logprob(logits, i0 + j, token, seq.params.logprobs))
-
-        # 4. bookkeeping: register newly full blocks in the prefix cache, and
-        #    report every request that moved (finished ones for the last time).
-        touched = {}
-        for seq in [item.seq for item in batch] + [s for s, _ in rows]:
+                    continue                       # its request failed earlier this step
+                if not finite:
+                    raise FloatingPointError("the model produced non-finite logits for this request")
+                if ask.drafts:
+                    self.speculation.verified(seq, len(tokens) - 1, self.block_manager)
+                for j, token in enumerate(tokens):
+                    if seq.status != RUNNING:
+                        break                      # stopped by an earlier token of this step
+                    self._append(seq, token, None if logprobs is None else logprobs[j])
+            except Exception as e:
+                fail(seq.request, f"{type(e).__name__}: {e}")
+        touched = dict(failed)
+        for seq in [item.seq for item in batch] + [seq for seq, _ in asks]:
             if seq.status == RUNNING:              # full blocks become reusable prefixes
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
             touched[seq.request.request_id] = seq.request
         self.stats["steps"] += 1
         self.stats["batched_tokens"] += sum(item.count for item in batch)
-        outputs = []
         for req in touched.values():
-            outputs.append(req.output())
             if req.finished:
                 self.requests.pop(req.request_id, None)
-        return outputs
-
-    # Forking happens before the forward pass, after the parent's slots were
-    # allocated: the children share exactly the blocks this step fills.
-    def _fork(self, seq: Sequence, num_computed: int) -> list[Sequence]:
-        """n > 1: when the prompt is done, add n - 1 sequences sharing its blocks."""
-        req, children = seq.request, []
-        while len(req.seqs) < req.params.n:
-            child = Sequence(req, seq.token_ids, len(req.seqs), self._generator(req.params, len(req.seqs)),
-                             self.tokenizer)
-            child.status, child.num_computed = RUNNING, num_computed
-            self.block_manager.fork(seq.seq_id, child.seq_id)     # ref counts up, nothing copied
-            req.seqs.append(child)
-            self.scheduler.running.append(child)
-            children.append(child)
-        return children
-
-    def _forward(self, batch: list[ScheduledSeq], logits_rows: list[int]):
-        """Flatten the scheduled tokens of all sequences into one forward pass."""
-        work = [(it.seq.seq_id, (it.seq.token_ids[it.start:] + it.seq.draft_tokens)[:it.count], it.start, it.slots)
-                for it in batch]   # a prefill chunk, or the last sampled token (+ drafts to verify)
-        if all(len(w[1]) == 1 for w in work):
-            # Pure decode (one token per sequence): the vectorized attention of
-            # kernels.py, compiled when compile=True. Logits for every row.
-            apply_pending_copies(self.cache, self.block_manager)
-            args = ([w[1][0] for w in work], [w[2] for w in work], [w[3][0] for w in work],
-                    [self.block_manager.tables[w[0]] for w in work])
-            if self.decoder is not None and len(work) <= self.decoder.batch_sizes[-1]:
-                logits = self.decoder(*args)
-            else:
-                logits = decode_step(self.model, self.cache, *args)
-            return logits[logits_rows]
-        input_ids, positions, ctx = AttentionContext.build(self.cache, self.block_manager, work,
-                                                           logits_rows, self.device)
-        return self.model(input_ids, positions, ctx)
-
-    @staticmethod
-    def _row_starts(rows):
-        """(sequence, index of its first row in the logits) for each sampling sequence."""
-        i = 0
-        for seq, rs in rows:
-            yield seq, i
-            i += len(rs)
-
-    def _probs(self, logits, seqs):
-        """probs_from_logits with each row's own sampling parameters."""
-        dev, p = logits.device, [s.params for s in seqs]
-        if not seqs:
-            return logits
-        return probs_from_logits(
-            logits, torch.tensor([x.temperature for x in p], device=dev, dtype=logits.dtype),
-            torch.tensor([x.top_k for x in p], device=dev),
-            torch.tensor([x.top_p for x in p], device=dev, dtype=logits.dtype))
-
-    def _logprob(self, logits, row, token, n):
-        """(log-probability of the token, {top-n alternatives}) under the raw model."""
-        if n is None:
-            return None
-        logp = logits[row].log_softmax(dim=-1)
-        top = logp.topk(n)
-        return logp[token].item(), dict(zip(top.indices.tolist(), top.values.tolist()))
-
-    # -- speculative decoding --------------------------------------------------------
-
-    def _propose_drafts(self):
-        """Ask the drafter for up to k tokens for every decoding sequence."""
-        seqs, reqs = [], []
-        for seq in self.scheduler.running:
-            seq.draft_tokens, seq.draft_probs = [], None
-            if seq.remaining != 1:
-                continue                            # still prefilling
-            # never draft past max_tokens or the context: the last token is the target's
-            k = min(self.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1,
-                    self.max_len - len(seq.token_ids) - 1)
-            if k > 0:
-                seqs.append(seq)
-                reqs.append((seq.seq_id, seq.token_ids, k))
-
-        def draft_sample(logits, idx):             # the draft model samples with each request's params
-            probs = self._probs(logits, [seqs[i] for i in idx])
-            return sample(probs, [seqs[i].generator for i in idx]), probs
-
-        for seq, (tokens, probs) in zip(seqs, self.drafter.propose(reqs, draft_sample)):
-            seq.draft_tokens, seq.draft_probs = tokens, probs
-
-    # Verification pads every sequence's drafts to the longest, so the rule runs
-    # as one batched tensor operation (speculative.rejection_sample_batched).
-    def _verify(self, verify, probs):
-        """Rejection-sample every verifying sequence at once; roll back the caches."""
-        K = max(len(seq.draft_tokens) for seq, _ in verify)
-        V = probs.shape[1]
-        target = torch.zeros(len(verify), K + 1, V, device=probs.device)
-        draft = torch.zeros(len(verify), K, V, device=probs.device)
-        tokens = torch.zeros(len(verify), K, dtype=torch.long, device=probs.device)
-        for b, (seq, i0) in enumerate(verify):
-            m = len(seq.draft_tokens)
-            target[b, :m + 1] = probs[i0:i0 + m + 1]
-            tokens[b, :m] = torch.tensor(seq.draft_tokens)
-            # a deterministic drafter (n-gram) proposes with probability 1: one-hot
-            draft[b, :m] = seq.draft_probs if seq.draft_probs is not None else \
-                torch.zeros(m, V, device=probs.device).scatter_(1, tokens[b, :m, None], 1.0)
-        accepted = rejection_sample_batched(target, draft, tokens, [len(s.draft_tokens) for s, _ in verify],
-                                            [seq.generator for seq, _ in verify])
-        out = {}
-        for (seq, _), acc in zip(verify, accepted):
-            m = len(seq.draft_tokens)
-            # K/V are valid for the fed last token and the accepted drafts; the
-            # final token (correction or bonus) is fed next step like any sample.
-            seq.num_computed = len(seq.token_ids) - 1 + len(acc)
-            self.block_manager.truncate(seq.seq_id, seq.num_computed)
-            self.drafter.rollback(seq.seq_id, seq.num_computed)
-            met = seq.request.metrics
-            met.draft_tokens, met.accepted_tokens, met.verify_steps = \
-                met.draft_tokens + m, met.accepted_tokens + len(acc) - 1, met.verify_steps + 1
-            self.stats["draft_tokens"] += m
-            self.stats["accepted_tokens"] += len(acc) - 1
-            self.stats["verify_steps"] += 1
-            seq.draft_tokens, seq.draft_probs = [], None
-            out[seq] = acc
-        return out
+        return [req.output() for req in touched.values()]
 
     # Stop conditions are checked token by token, so that a speculative step that
     # accepted several tokens still stops exactly where plain decoding would.
     def _append(self, seq: Sequence, token: int, logprob=None):
-        """Add a sampled token, stream its text, and check the stop conditions."""
-        seq.token_ids.append(token)
-        req, params = seq.request, seq.params
-        req.metrics.output_tokens += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = time.perf_counter()
-        if seq.logprobs is not None:
-            seq.logprobs.append(logprob)
-        delta = seq.decoder.push(token)
-        seq.text += delta
-        reason = None
-        if (token == self.tokenizer.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
-            reason = "stop"
-        elif params.stop:
-            # Only text that ends in the new delta can complete a stop string.
-            since = max(0, len(seq.text) - len(delta) - max(map(len, params.stop)) + 1)
-            hits = [i for i in (seq.text.find(s, since) for s in params.stop) if i >= 0]
-            if hits:
-                seq.text = seq.text[:min(hits)]        # the stop string is not part of the output
-                reason = "stop"
-        if reason is None and (len(seq.output_ids) >= params.max_tokens or len(seq.token_ids) >= self.max_len):
-            reason = "length"
-            seq.text += seq.decoder.flush()             # an unfinished character becomes U+FFFD
+        """Add a sampled token; finish the sequence if it hit a stop condition."""
+        metrics = seq.request.metrics
+        metrics.output_tokens += 1
+        if metrics.first_token_time is None:
+            metrics.first_token_time = time.perf_counter()
+        reason = seq.append(token, logprob, self.tokenizer.eos_token_id, self.max_len)
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
-            if req.finished:
-                req.metrics.finish_time = time.perf_counter()
+            if seq.request.finished:
+                metrics.finish_time = time.perf_counter()
 
     # -- offline API ---------------------------------------------------------------
 
@@ -788,6 +1108,8 @@ class LLM:
 
         Every prompt is validated before any is queued, so a bad one raises
         ValueError (naming its index) and nothing is left behind in the engine.
+        If anything interrupts the loop (an exception, Ctrl-C), this call's
+        requests are aborted: nothing keeps running or holding blocks.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -803,8 +1125,13 @@ class LLM:
                 self.abort(rid)
             raise type(e)(f"prompt {i}: {e}") from None
         final = {}
-        while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            while len(final) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
         return [final[rid] for rid in ids]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from cache import AttentionContext, BlockManager, KVCache
+from cache import BlockManager, KVCache
 
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -45,9 +45,10 @@ def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) ->
     """Accept a prefix of the draft and add one token of the target's own.
 
     target_probs [k+1, V], draft_probs [k, V], draft_tokens [k] -> 1..k+1 tokens.
-    Random numbers: k uniforms, then one exponential per vocabulary entry for
-    the final token (see scheduler.sample), drawn in that order so the
-    batched version below consumes exactly the same randomness.
+    The readable one-sequence version of the rule; the engine runs
+    rejection_sample_batched below, which the tests hold to this one.
+    Randomness: k uniforms for the acceptance tests, then one draw from the
+    final distribution (torch.multinomial), all from `generator`.
     """
     k = len(draft_tokens)
     u = torch.rand(k, generator=generator, device=target_probs.device)
@@ -62,47 +63,46 @@ def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) ->
         # q == p leaves nothing to resample from: then rejection had probability 0
         # in exact arithmetic; fall back on q itself.
         final = residual if residual.sum() > 0 else target_probs[i]
-        return out + [_draw(final, generator)]
-    return out + [_draw(target_probs[k], generator)]
+        return out + [int(torch.multinomial(final, 1, generator=generator))]
+    return out + [int(torch.multinomial(target_probs[k], 1, generator=generator))]
 
 
-def _draw(probs, generator) -> int:
-    """Sample from unnormalized probs [V] by an exponential race (as scheduler.sample)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
-
-
-def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts, generators) -> list[list[int]]:
+def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts, accept_u):
     """The same rule for B sequences at once; sequence b has num_drafts[b] drafts.
 
-    target_probs [B, K+1, V], draft_probs [B, K, V], draft_tokens [B, K] (padded).
-    Acceptance of all positions is one vectorized comparison; the first
-    rejection is found with a cumulative product; the residual or bonus
-    distribution of every row is built at once.
+    target_probs [B, K+1, V]; draft_probs [B, K, V], or None for a deterministic
+    drafter (n-gram: each draft has probability 1, so p = one-hot); draft_tokens
+    [B, K] and accept_u [B, K] uniforms (padded); num_drafts [B] tensor.
+    Returns (num_accepted [B], final [B, V]): the accepted prefix length and
+    the (unnormalized) distribution the one extra token must be drawn from --
+    the residual max(q - p, 0) at the first rejection, or the target's next
+    row (the bonus token) when every draft was accepted. The caller draws it
+    with the engine's sampler, so the same counter-based noise serves both.
+    K = 0 is plain sampling: nothing to accept, final = target_probs[:, 0].
     """
     B, K1, V = target_probs.shape
     K = K1 - 1
-    dev = target_probs.device
-    n = torch.tensor(num_drafts, device=dev)
-    u = torch.ones(B, K, device=dev)                          # padded positions: never accepted
-    for b in range(B):
-        u[b, :num_drafts[b]] = torch.rand(num_drafts[b], generator=generators[b], device=dev)
-    idx = draft_tokens.long().clamp(min=0)[..., None]
-    q = target_probs[:, :K].gather(-1, idx)[..., 0]           # [B, K]
-    p = draft_probs.gather(-1, idx)[..., 0]
-    accept = torch.where(p > 0, u < q / p.clamp(min=1e-30), q > 0)
-    accept &= torch.arange(K, device=dev)[None] < n[:, None]
-    n_acc = accept.long().cumprod(dim=1).sum(dim=1)           # accepted prefix length [B]
-    # Final distribution: residual at the first rejection, or the bonus row.
-    rows = torch.arange(B, device=dev)
-    q_final = target_probs[rows, n_acc]                       # [B, V]
-    p_final = torch.where((n_acc < n)[:, None], draft_probs[rows, n_acc.clamp(max=max(K - 1, 0))], 0.0) \
-        if K else torch.zeros_like(q_final)
-    residual = (q_final - p_final).clamp(min=0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, q_final)
-    noise = torch.stack([torch.empty(V, device=dev).exponential_(generator=g) for g in generators])
-    final = (residual / noise).argmax(dim=-1)
-    return [draft_tokens[b, :n_acc[b]].tolist() + [int(final[b])] for b in range(B)]
+    rows = torch.arange(B, device=target_probs.device)
+    n_acc = torch.zeros(B, dtype=torch.long, device=target_probs.device)
+    if K:
+        idx = draft_tokens.long().clamp(min=0)[..., None]                  # [B, K, 1]
+        q = target_probs[:, :K].gather(-1, idx)[..., 0]                     # [B, K]: q(x_i)
+        p = torch.ones_like(q) if draft_probs is None else draft_probs.gather(-1, idx)[..., 0]
+        accept = torch.where(p > 0, accept_u < q / p.clamp(min=1e-30), q > 0)   # u < min(1, q/p)
+        accept &= torch.arange(K, device=q.device)[None] < num_drafts[:, None]
+        n_acc = accept.long().cumprod(dim=1).sum(dim=1)                     # accepted prefix [B]
+    final = target_probs[rows, n_acc]                                        # [B, V]: q at the stop
+    if K:
+        rejected = (n_acc < num_drafts)[:, None]                             # else: the bonus row, q itself
+        at = n_acc.clamp(max=K - 1)
+        if draft_probs is None:      # max(q - onehot(x), 0) = q with x's entry zeroed (q(x) <= 1)
+            residual = final.scatter(1, draft_tokens[rows, at].long().clamp(min=0)[:, None], 0.0)
+        else:
+            residual = (final - draft_probs[rows, at]).clamp(min=0)
+        # a residual with no mass means rejection had probability 0: keep q
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final)
+        final = torch.where(rejected, residual, final)
+    return n_acc, final
 
 
 # ----------------------------------------------------------------------------
@@ -149,10 +149,13 @@ class ModelDrafter:
     that survived, exactly as the engine truncates the target's.
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int, device, dtype):
+    def __init__(self, model, num_blocks: int, block_size: int, device, dtype, make_inputs):
+        """make_inputs(block_manager) -> the engine's step-input builder
+        (kernels.StepInputs), so draft steps take the same vectorized path."""
         self.model, self.device = model, device
         self.cache = KVCache(model.config, num_blocks, block_size, device, dtype)
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.inputs = make_inputs(self.bm)
         self.computed: dict[int, int] = {}                    # seq_id -> tokens in the draft cache
 
     @torch.inference_mode()
@@ -175,14 +178,15 @@ class ModelDrafter:
                 start = self.computed.get(sid, 0)
                 if not self.bm.can_append(sid, start, len(new)):
                     continue                                   # draft pool full: fewer drafts
-                work.append((sid, new, start, self.bm.append_slots(sid, start, len(new))))
+                self.bm.reserve(sid, start, len(new))
+                work.append((sid, new, start))
                 self.computed[sid] = start + len(new)
                 rows.append(sum(len(w[1]) for w in work) - 1)
                 active.append(i)
             if not work:
                 break
-            input_ids, positions, ctx = AttentionContext.build(self.cache, self.bm, work, rows, self.device)
-            tokens, probs = sample_fn(self.model(input_ids, positions, ctx), active)
+            input_ids, positions, ctx = self.inputs.device(self.inputs.host(work, rows), self.cache)
+            tokens, probs = sample_fn(self.model(input_ids, positions, ctx), active, step)
             feed = {}
             for j, i in enumerate(active):
                 out[i][0].append(int(tokens[j]))

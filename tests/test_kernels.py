@@ -1,11 +1,14 @@
 """Assignment: kernels.py -- the compiled decode path.
 
 To pass, implement:
-  * paged_decode_attention: the vectorized paged attention for Q new queries
-    per sequence (Q = 1 decode, k+1 verify): one gather through the block
-    tables, a length mask, GQA by reshaping queries to [B, Q, n_kv, group, d].
-    It must equal the reference cache.paged_attention on ragged batches,
-    any block size and grouping, with block tables padded by garbage ids;
+  * batched_paged_attention: the vectorized paged attention for up to Q new
+    queries per sequence: one gather through the block tables, a length mask,
+    GQA by reshaping queries to [B, Q, n_kv, group, d]. It must equal the
+    reference cache.paged_attention on ragged batches, any block size and
+    grouping, with block tables padded by garbage ids;
+  * StepInputs + StepContext: any mix of prefill chunks (with or without a
+    cached prefix), decodes and k+1-token verifications in one step, as a few
+    query-length groups, equal to cache.paged_attention;
   * batch_buckets / width_buckets / bucket: the padded shapes;
   * CompiledDecoder: torch.compile of the decode step; padded rows write only
     into the scratch block; after warm-up no step compiles anything new;
@@ -21,8 +24,9 @@ import torch
 from conftest import tiny_config, tiny_model
 
 from cache import KVCache, paged_attention
-from kernels import (CompiledDecoder, TransposedLinear, batch_buckets, bucket, choose_weight_layout,
-                     paged_decode_attention, width_buckets)
+from cache import AttentionContext, BlockManager
+from kernels import (CompiledDecoder, StepInputs, TransposedLinear, batch_buckets, batched_paged_attention, bucket,
+                     choose_weight_layout, width_buckets)
 from quantize import Int8KVCache
 from scheduler import LLM, SamplingParams
 
@@ -61,9 +65,54 @@ def test_fast_decode_attention_equals_reference(block_size, n_heads, n_kv, Q):
         q = torch.randn(len(seq_lens) * Q, n_heads, cfg.head_dim)
         for layer in range(cfg.n_layers):
             ref = paged_attention(q, cache, layer, bt, seq_lens, [Q] * len(seq_lens))
-            out = paged_decode_attention(q, cache, layer, bt, torch.tensor(seq_lens))
+            out = batched_paged_attention(q.view(len(seq_lens), Q, n_heads, -1), cache, layer, bt,
+                                          torch.tensor(seq_lens)).flatten(0, 1)
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
                                        msg=f"{cache_cls.__name__} layer {layer}: fast decode attention differs")
+
+
+@pytest.mark.parametrize("block_size,n_heads,n_kv,seed", [(1, 6, 2, 0), (4, 6, 6, 1), (16, 8, 2, 2), (4, 9, 3, 3)])
+def test_mixed_step_equals_reference(block_size, n_heads, n_kv, seed):
+    """A random mix of decodes, k+1 verifications and prefill chunks (some
+    over a cached prefix) through StepInputs -> StepContext, against the
+    per-sequence reference loop of cache.py."""
+    cfg = tiny_config(n_heads=n_heads, n_kv_heads=n_kv)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    bm = BlockManager(400, block_size, enable_prefix_caching=False)
+    cache = KVCache(cfg, 400, block_size, "cpu", torch.float32)
+    cache.k.normal_(), cache.v.normal_()
+    inputs = StepInputs(bm, "cpu")
+    for step in range(3):                               # tables change between steps: rows refresh
+        work, lens = [], []
+        for sid in range(rng.randint(1, 7)):
+            sid = step * 100 + sid
+            kind = rng.choice(["decode", "verify", "prefill", "cached"])
+            n_q = {"decode": 1, "verify": rng.randint(2, 6), "prefill": rng.randint(1, 40),
+                   "cached": rng.randint(1, 20)}[kind]
+            start = 0 if kind == "prefill" else rng.randint(1, 60)
+            bm.allocate(sid, [])
+            bm.reserve(sid, 0, start + n_q)
+            work.append((sid, [rng.randrange(cfg.vocab_size) for _ in range(n_q)], start))
+            lens.append((start + n_q, n_q))
+        hb = inputs.host(work)
+        _, positions, ctx = inputs.device(hb, cache)
+        q = torch.randn(len(positions), n_heads, cfg.head_dim)
+        k, v = torch.randn(len(q), n_kv, cfg.head_dim), torch.randn(len(q), n_kv, cfg.head_dim)
+        out = ctx.attend(0, q, k, v)                    # writes k, v into their slots, then attends
+        width = max(len(bm.tables[w[0]]) for w in work)
+        tables = torch.tensor([bm.tables[w[0]] + [0] * (width - len(bm.tables[w[0]])) for w in work])
+        ref = paged_attention(q, cache, 0, tables, [s for s, _ in lens], [n for _, n in lens])
+        sizes = [(int(g.block_tables.shape[0]), None if g.index is None else int(g.index.shape[1]))
+                 for g in ctx.groups]
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
+                                   msg=f"step {step}: mixed-step attention differs (groups {sizes})")
+        slots = [bm.tables[sid][p // block_size] * block_size + p % block_size
+                 for sid, t, s in work for p in range(s, s + len(t))]
+        assert ctx.slot_mapping.tolist() == slots, "slot = block_id * block_size + offset"
+        assert positions.tolist() == [p for _, t, s in work for p in range(s, s + len(t))]
+        for sid, _, _ in work:
+            bm.free(sid)
 
 
 def test_buckets():
@@ -106,11 +155,11 @@ def test_padded_rows_touch_only_the_scratch_block():
     changed = (cache.k != before_k).any(-1).any(-1).any(0).flatten()    # per slot
     changed_slots = set(torch.nonzero(changed[:8 * 4]).flatten().tolist())
     assert changed_slots == set(slots), f"real blocks changed at {changed_slots}, expected only {slots}"
-    # eager reference of the same step from the same cache state
+    # the reference: the same step from the same cache state through cache.py's
+    # per-sequence loop (not the kernel under test)
     cache.k.copy_(before_k), cache.v.copy_(before_v)
-    from kernels import DecodeContext
-    ctx = DecodeContext(cache, torch.tensor(slots), torch.tensor([t + [8] * (3 - len(t)) for t in tables]),
-                        torch.tensor([p + 1 for p in positions]))
+    ctx = AttentionContext(cache, torch.tensor(slots), torch.tensor([t + [8] * (3 - len(t)) for t in tables]),
+                           [p + 1 for p in positions], [1, 1, 1])
     with torch.inference_mode():
         ref = model(torch.tensor([5, 6, 7]), torch.tensor(positions), ctx)
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)

@@ -18,7 +18,8 @@ from conftest import tiny_model
 
 from cache import BlockManager
 from model import generate as dense_generate
-from scheduler import LLM, Request, SamplingParams, Scheduler, Sequence, probs_from_logits, sample
+from scheduler import (ACCEPT, DRAW, LLM, Request, SampleRequest, SamplingParams, Scheduler, Sequence, filtered_probs,
+                       sample_key, sample_tokens, uniform)
 
 # Prompts of very different lengths (3 to ~220 tokens) for the real model.
 PROMPTS = [
@@ -123,6 +124,182 @@ def test_seeded_sampling_ignores_the_batch(tiny_path):
     assert outs[-1].token_ids == alone
     unseeded = busy.generate(["a seeded request"] * 2, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True))
     assert unseeded[0].token_ids != unseeded[1].token_ids, "unseeded requests must not share randomness"
+
+
+def test_seeded_request_repeats_in_a_mixed_batch_and_after_preemption(tiny_path):
+    """Counter-based noise: the same seeded request gives the same tokens alone,
+    among 16 mixed requests (greedy, sampled, top-k/top-p, n > 1, stop
+    strings), and when it is preempted and recomputed halfway."""
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_k=40, top_p=0.95, seed=2**64 - 1, ignore_eos=True)
+    prompt = "the seeded one"
+    alone = LLM(tiny_path, kv_cache_bytes=4 << 20).generate([prompt], params)[0].token_ids
+    mixed = [SamplingParams(max_tokens=5 + i, temperature=[0.0, 0.7, 1.3][i % 3], top_k=[0, 5, 0, 30][i % 4],
+                            top_p=[1.0, 0.8][i % 2], n=1 + (i % 5 == 0), stop=["z"] if i % 4 == 3 else [],
+                            ignore_eos=True, seed=i if i % 2 else None) for i in range(15)]
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=16)
+    outs = llm.generate([f"noise {i} " * (1 + i % 4) for i in range(15)] + [prompt], mixed + [params])
+    assert outs[-1].token_ids == alone, "a seeded request must not depend on its batch-mates"
+    # 12 blocks of 4 tokens (512 B per token) for 4 sequences of ~30 tokens: the newest (the seeded one) is preempted
+    tight = LLM(tiny_path, kv_cache_bytes=12 * 4 * 512, block_size=4)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = tight.generate(["one two three", "four five six", "seven eight", prompt], [greedy] * 3 + [params])
+    assert outs[-1].metrics.preemptions >= 1, "the pool was meant to preempt the seeded request"
+    assert outs[-1].token_ids == alone, "a preempted seeded request must repeat its tokens"
+    assert_no_leak(tight)
+
+
+def test_prefills_that_fill_the_pool_do_not_deadlock(tiny_path):
+    """Two long prompts chunked into a pool that holds one of them: each holds
+    part of the pool, neither can go on. The newest must give way."""
+    llm = LLM(tiny_path, kv_cache_bytes=8 * 4 * 512, block_size=4, max_num_batched_tokens=8)
+    prompts = [list(range(10, 30)), list(range(40, 60))]                  # 20 tokens = 5 blocks each
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert llm.scheduler.num_preemptions >= 1
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == dense_generate(llm.model, p, 6)
+    assert_no_leak(llm)
+
+
+# ------------------------------------------------------------- fault isolation
+
+HEALTHY = ["healthy one", "healthy two two", "healthy three three three"]
+
+
+def healthy_alone(path):
+    llm = LLM(path, kv_cache_bytes=4 << 20)
+    return [o.token_ids for o in llm.generate(HEALTHY, SamplingParams(max_tokens=12, ignore_eos=True))]
+
+
+def run_beside(llm, bad_prompt, bad_params, steps_before=2):
+    """Three healthy greedy requests start; the bad one joins while they run."""
+    good = [llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in HEALTHY]
+    done = {}
+    for _ in range(steps_before):
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+    bad = llm.add_request(bad_prompt, bad_params)
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+    return [done[r] for r in good], done[bad]
+
+
+@pytest.mark.parametrize("bad", [dict(n=2, seed=2**64 - 1, temperature=1.0), dict(top_k=10**24, temperature=1.0),
+                                 dict(seed=-2**63, temperature=1e-30), dict(temperature=1e6, top_p=1e-9),
+                                 dict(stop=["z" * 1024] * 16, max_tokens=5)])
+def test_extreme_but_valid_params_run_beside_healthy_requests(tiny_path, bad):
+    ref = healthy_alone(tiny_path)
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    good, out = run_beside(llm, "x", SamplingParams(**{"max_tokens": 3, **bad}))
+    assert [o.token_ids for o in good] == ref, "a healthy request changed because of another"
+    assert out.finish_reason == "length" and all(len(c.token_ids) == out.outputs[0].token_ids.__len__()
+                                                 for c in out.outputs)
+    assert_no_leak(llm)
+
+
+def test_n_beyond_the_batch_is_refused_at_once(tiny_path):
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_seqs=2)
+    with pytest.raises(ValueError, match=r"n=3.*max_num_seqs=2"):
+        llm.generate(["Hi"], SamplingParams(n=3, temperature=1.0))
+    assert_no_leak(llm)
+    assert len(llm.generate(["Hi"], SamplingParams(n=2, temperature=1.0, max_tokens=3))[0].outputs) == 2
+
+
+def test_a_request_whose_text_fails_finishes_alone(tiny_path, monkeypatch):
+    ref = healthy_alone(tiny_path)
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    from tokenizer import IncrementalDecoder
+    push = IncrementalDecoder.push
+
+    def broken(self, token):             # only the bad request's detokenizer breaks
+        if self.tok is llm.tokenizer and getattr(self, "poisoned", False):
+            raise UnicodeError("cannot decode this token")
+        return push(self, token)
+    monkeypatch.setattr(IncrementalDecoder, "push", broken)
+    orig_add = llm.add_request
+
+    def add(prompt, params=None, request_id=None):
+        rid = orig_add(prompt, params, request_id)
+        if prompt == "poison":
+            llm.requests[rid].seqs[0].decoder.poisoned = True
+        return rid
+    llm.add_request = add
+    good, out = run_beside(llm, "poison", SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in good] == ref
+    assert out.finish_reason == "error" and "cannot decode" in out.error
+    assert_no_leak(llm)
+
+
+def test_non_finite_logits_fail_only_their_request(tiny_path):
+    ref = healthy_alone(tiny_path)
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    bad_seen = []
+
+    def poison(module, inputs, output):  # NaN in the rows of the request that joined last
+        if len(llm.requests) == 4 and not bad_seen:
+            bad_seen.append(True)
+            output[-1] = float("nan")
+        return output
+    h = llm.model.lm_head.register_forward_hook(poison)
+    try:
+        good, out = run_beside(llm, "gets NaN", SamplingParams(max_tokens=8, ignore_eos=True))
+    finally:
+        h.remove()
+    assert bad_seen and out.finish_reason == "error" and "non-finite" in out.error
+    assert [o.token_ids for o in good] == ref
+    assert_no_leak(llm)
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_path, monkeypatch):
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    calls = {"n": 0}
+    forward = llm.model.forward
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device fell over")
+        return forward(*a, **kw)
+    monkeypatch.setattr(llm.model, "forward", flaky)
+    outs = llm.generate(HEALTHY, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert all(o.finish_reason == "error" and "device fell over" in o.error for o in outs)
+    assert_no_leak(llm)
+    assert [o.token_ids for o in llm.generate(HEALTHY, SamplingParams(max_tokens=12, ignore_eos=True))] == \
+        healthy_alone(tiny_path), "the engine must serve normally afterwards"
+
+
+def test_interrupted_generate_leaves_nothing_running(tiny_path, monkeypatch):
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    step, calls = llm.step, {"n": 0}
+
+    def interrupted():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return step()
+    monkeypatch.setattr(llm, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["long " * 20] * 4, SamplingParams(max_tokens=500, ignore_eos=True))
+    assert_no_leak(llm)
+
+
+def test_streamed_deltas_add_up_and_never_show_a_stop_string(tiny_llm):
+    """new_text of every step concatenates to the final text; text that later
+    turns out to be a stop string is never streamed (hold-back), also when the
+    stop string spans several tokens."""
+    llm = tiny_llm
+    base = llm.generate(["stream test"], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    ids = base.token_ids
+    pieces = [llm.tokenizer.decode(ids[:i + 1]) for i in range(len(ids))]
+    i = next(i for i in range(5, len(ids)) if len(pieces[i]) - len(pieces[i - 2]) >= 3 and
+             pieces[i - 2] == llm.tokenizer.decode(ids[:i - 1]))
+    stop = pieces[i][len(pieces[i - 2]) - 1:len(pieces[i]) - 1]     # spans the last two tokens before i + 1
+    llm.add_request("stream test", SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))
+    streamed, final = "", None
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            streamed += o.outputs[0].new_text
+            assert stop not in streamed, "a stop string must never reach the stream"
+            final = o
+    assert final.finish_reason == "stop" and streamed == final.text == base.text[:base.text.index(stop)]
 
 
 def test_parallel_samples_share_prompt_blocks(tiny_llm):
@@ -241,7 +418,9 @@ def test_logprobs(tiny_llm):
 @pytest.mark.parametrize("field,value", [("max_tokens", -1), ("max_tokens", 0), ("temperature", -0.1),
                                          ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("n", 0),
                                          ("seed", "x"), ("stop", [""]), ("logprobs", 100),
-                                         ("max_tokens", 2.5), ("temperature", float("nan"))])
+                                         ("max_tokens", 2.5), ("temperature", float("nan")),
+                                         ("temperature", 10**400), ("seed", 2**64), ("seed", -2**63 - 1),
+                                         ("stop", ["z" * 1025]), ("stop", ["a"] * 17), ("n", 129)])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -249,36 +428,98 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 # --------------------------------------------------------------------- sampler
 
-def test_probs_top_k_top_p_against_a_direct_reference():
+def reference_probs(logits, temperature, top_k, top_p):
+    """softmax(logits / T), then top-k, then top-p on the renormalized rest,
+    written out the obvious way (one row, Python sorting)."""
+    p = (logits / temperature).softmax(-1)
+    order = p.argsort(descending=True).tolist()
+    keep = order[:top_k] if top_k else order
+    mass = p[keep] / p[keep].sum()
+    n_keep, total = 0, 0.0
+    while total < top_p and n_keep < len(keep):       # smallest prefix with mass >= top_p
+        total += float(mass[n_keep])
+        n_keep += 1
+    ref = torch.zeros_like(p)
+    ref[keep[:n_keep]] = p[keep[:n_keep]]
+    return ref / ref.sum()
+
+
+def test_filtered_probs_against_a_direct_reference():
     torch.manual_seed(0)
-    logits = torch.randn(4, 50) * 2
-    temp = torch.tensor([1.0, 0.7, 1.3, 0.0])
-    top_k = torch.tensor([0, 5, 0, 0])
-    top_p = torch.tensor([1.0, 1.0, 0.8, 1.0])
-    probs = probs_from_logits(logits, temp, top_k, top_p)
-    assert torch.allclose(probs[0], logits[0].softmax(-1), atol=1e-6)
-    keep = logits[1].topk(5).indices
-    ref = torch.zeros(50)
-    ref[keep] = (logits[1][keep] / 0.7).softmax(-1)
-    assert torch.allclose(probs[1], ref, atol=1e-6)
-    p = (logits[2] / 1.3).softmax(-1)
-    order = p.argsort(descending=True)
-    n_keep = int((p[order].cumsum(0) < 0.8).sum()) + 1           # smallest set with mass >= 0.8
-    ref = torch.zeros(50)
-    ref[order[:n_keep]] = p[order[:n_keep]] / p[order[:n_keep]].sum()
-    assert torch.allclose(probs[2], ref, atol=1e-6)
-    assert probs[3].argmax() == logits[3].argmax() and probs[3].max() == 1, "temperature 0 is greedy"
+    logits = torch.randn(5, 50) * 2
+    rows = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.6), (1.0, 49, 0.3)]
+    probs = filtered_probs(logits.clone(), torch.tensor([r[0] for r in rows]), [r[1] for r in rows],
+                           [r[2] for r in rows])
+    for i, (t, k, p) in enumerate(rows):
+        ref = reference_probs(logits[i], t, k, p)
+        assert torch.allclose(probs[i], ref, atol=1e-6), f"row {i} (T={t}, top_k={k}, top_p={p}) differs"
+        assert (probs[i] > 0).sum() == (ref > 0).sum(), f"row {i}: wrong number of tokens kept"
 
 
-def test_sample_follows_the_distribution_and_each_row_its_own_generator():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    g = torch.Generator().manual_seed(0)
-    draws = torch.cat([sample(probs.repeat(1000, 1), [g] * 1000) for _ in range(20)])
-    freq = torch.bincount(draws, minlength=4).float() / len(draws)
-    assert (freq - probs).abs().max() < 0.01, f"empirical {freq} vs {probs}"
-    a = sample(probs.repeat(3, 1), [torch.Generator().manual_seed(s) for s in (1, 2, 3)])
-    b = sample(probs.repeat(2, 1), [torch.Generator().manual_seed(s) for s in (9, 2)])
-    assert a[1] == b[1], "row 2's token depends only on its own generator"
+def ask(row, params, key=0, drafts=(), position=0):
+    return SampleRequest(row, list(drafts), params, key, position)
+
+
+def test_greedy_rows_are_the_argmax_and_skip_filtering(monkeypatch):
+    torch.manual_seed(1)
+    logits = torch.randn(16, 1000)
+    calls = []
+    monkeypatch.setattr("scheduler.filtered_probs", lambda *a: calls.append(a) or filtered_probs(*a))
+    out = sample_tokens(logits, [ask(i, SamplingParams()) for i in range(16)])
+    assert [t for t, _, _ in out] == [[int(x)] for x in logits.argmax(-1)]
+    assert not calls, "greedy rows must not sort, filter or draw"
+    # The full path agrees: top_k=1 keeps only the argmax, whatever the noise.
+    out = sample_tokens(logits, [ask(i, SamplingParams(temperature=1.0, top_k=1), key=i) for i in range(16)])
+    assert [t for t, _, _ in out] == [[int(x)] for x in logits.argmax(-1)] and calls
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.5, 0, 0.7), (1.0, 5, 0.8)])
+def test_sampled_rows_follow_the_filtered_distribution(t, k, p):
+    """200k draws through sample_tokens (each its own key) against the reference."""
+    torch.manual_seed(2)
+    logits = torch.randn(1, 8) * 1.5
+    n = 200_000
+    params = SamplingParams(temperature=t, top_k=k, top_p=p)
+    toks = [x[0][0] for x in sample_tokens(logits.expand(n, -1), [ask(i, params, key=i) for i in range(n)])]
+    counts = torch.bincount(torch.tensor(toks), minlength=8).float()
+    ref = reference_probs(logits[0], t, k, p)
+    assert counts[ref == 0].sum() == 0, "a filtered-out token was drawn"
+    exp = ref[ref > 0] * n
+    stat = float(((counts[ref > 0] - exp) ** 2 / exp).sum())
+    assert stat < 26.1, f"chi-square {stat:.1f} (df <= 7, 99.9th percentile 24.3): not the filtered distribution"
+
+
+def test_noise_is_a_function_of_key_position_and_stream():
+    assert uniform(5, 3) == uniform(5, 3), "counter-based: the same (key, position) gives the same noise"
+    us = [uniform(sample_key(7, 0), i) for i in range(20000)]
+    assert all(0 <= u < 1 for u in us) and abs(sum(us) / len(us) - 0.5) < 0.01
+    assert len({uniform(sample_key(s, i), 0) for s in range(50) for i in range(4)}) == 200, \
+        "seeds and sample indices must give different noise"
+    assert uniform(9, 0, DRAW) != uniform(9, 0, ACCEPT)
+    assert sample_key(2**64 - 1, 0) != sample_key(0, 0) and 0 <= sample_key(-2**63, 5) < 2**64
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 40) * 3
+    out = sample_tokens(logits, [ask(0, SamplingParams(logprobs=3)),
+                                 ask(1, SamplingParams(temperature=0.5, logprobs=2, top_k=3), key=4),
+                                 ask(2, SamplingParams(temperature=2.0))])
+    ref = logits.log_softmax(-1)
+    for i in range(2):
+        (tok,), info, _ = out[i]
+        lp, alts = info[0]
+        assert lp == pytest.approx(float(ref[i, tok]), abs=1e-5), f"row {i}: logprob must ignore temperature"
+        top = ref[i].topk(3 - i)
+        assert alts == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist())), abs=1e-5)
+    assert out[2][1] is None
+
+
+def test_non_finite_logits_are_flagged_per_row():
+    logits = torch.randn(3, 10)
+    logits[1, 4] = float("nan")
+    out = sample_tokens(logits, [ask(i, SamplingParams(temperature=float(i))) for i in range(3)])
+    assert [finite for _, _, finite in out] == [True, False, True]
 
 
 # ---------------------------------------------------------- scheduler unit tests
@@ -286,8 +527,8 @@ def test_sample_follows_the_distribution_and_each_row_its_own_generator():
 def make_seqs(tok, lengths, n=1, max_tokens=100):
     seqs = []
     for i, L in enumerate(lengths):
-        req = Request(str(i), list(range(1, L + 1)), SamplingParams(max_tokens=max_tokens, n=n), 0.0)
-        req.seqs.append(Sequence(req, req.prompt_ids, 0, None, tok))
+        req = Request(str(i), list(range(1, L + 1)), SamplingParams(max_tokens=max_tokens, n=n), 0.0, seed=0)
+        req.seqs.append(Sequence(req, req.prompt_ids, 0, tok))
         seqs.append(req.seqs[0])
     return seqs
 

@@ -58,20 +58,47 @@ def random_dists(g, *shape):
     return x / x.sum(-1, keepdim=True)
 
 
+def residual_reference(target, draft, n_acc, n):
+    """What the final token must be drawn from, written out: the normalized
+    max(q - p, 0) at the first rejection, or the target's next row (bonus)."""
+    if n_acc == n:
+        return target[n]
+    r = (target[n_acc] - draft[n_acc]).clamp(min=0)
+    return r / r.sum()
+
+
 def test_batched_agrees_with_single_draw_for_draw():
     g = torch.Generator().manual_seed(0)
     B, K, V = 16, 4, 7
     target, draft = random_dists(g, B, K + 1, V), random_dists(g, B, K, V)
     tokens = torch.multinomial(draft.view(-1, V), 1, generator=g).view(B, K)
-    num = [K, 1, 3, 2] * 4                                # ragged draft counts
-    batched = rejection_sample_batched(target, draft, tokens, num,
-                                       [torch.Generator().manual_seed(100 + b) for b in range(B)])
+    num = [K, 1, 3, 2, 0] * 3 + [K]                        # ragged draft counts, none at all included
+    accept_u = torch.ones(B, K)
+    for b in range(B):                                     # the uniforms the single version will draw
+        accept_u[b, :num[b]] = torch.rand(num[b], generator=torch.Generator().manual_seed(100 + b))
+    n_acc, final = rejection_sample_batched(target, draft, tokens, torch.tensor(num), accept_u)
     for b in range(B):
         n = num[b]
         single = rejection_sample(target[b, :n + 1], draft[b, :n], tokens[b, :n],
                                   torch.Generator().manual_seed(100 + b))
-        assert single == batched[b], f"row {b}"
-        assert 1 <= len(single) <= n + 1
+        assert int(n_acc[b]) == len(single) - 1, f"row {b}: accepted {int(n_acc[b])} vs single {len(single) - 1}"
+        assert single[:-1] == tokens[b, :len(single) - 1].tolist()
+        ref = residual_reference(target[b], draft[b], int(n_acc[b]), n)
+        torch.testing.assert_close(final[b] / final[b].sum(), ref, msg=f"row {b}: wrong final distribution")
+        assert ref[single[-1]] > 0, f"row {b}: the single version drew a token the final distribution excludes"
+
+
+def test_deterministic_drafts_match_one_hot_draft_probs():
+    """draft_probs=None (an n-gram drafter) must equal passing the one-hots."""
+    g = torch.Generator().manual_seed(5)
+    B, K, V = 8, 3, 6
+    target = random_dists(g, B, K + 1, V)
+    tokens = torch.randint(0, V, (B, K), generator=g)
+    u, n = torch.rand(B, K, generator=g), torch.tensor([3, 2, 1, 0, 3, 3, 2, 1])
+    a = rejection_sample_batched(target, None, tokens, n, u)
+    b = rejection_sample_batched(target, torch.nn.functional.one_hot(tokens, V).float(), tokens, n, u)
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1] / a[1].sum(-1, keepdim=True), b[1] / b[1].sum(-1, keepdim=True))
 
 
 # ------------------------------------------------------- distribution exactness
@@ -83,13 +110,17 @@ def chi_square(counts, probs):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("case", ["random", "draft_equals_target", "draft_has_zeros"])
-def test_first_token_follows_the_target_distribution(k, case):
-    """100k trials: drafts sampled from p, first emitted token must be ~ q."""
+@pytest.mark.parametrize("case", ["random", "draft_equals_target", "draft_has_zeros", "deterministic"])
+def test_every_position_follows_the_target_distribution(k, case):
+    """100k trials of one verification pass: drafts sampled from p, the final
+    token drawn by the engine's sampler. The token emitted at position i
+    (given the pass got that far) must be distributed as q_i -- every drafted
+    position, and the bonus token after k accepted drafts."""
+    from scheduler import draw
     g = torch.Generator().manual_seed(k * 7 + len(case))
     V, N = 5, 100_000
     target = random_dists(g, k + 1, V)
-    if case == "random":
+    if case == "random" or case == "deterministic":
         draft = random_dists(g, k, V)
     elif case == "draft_equals_target":
         draft = target[:k].clone()
@@ -98,16 +129,25 @@ def test_first_token_follows_the_target_distribution(k, case):
         draft[:, :2] = 0
         draft /= draft.sum(-1, keepdim=True)
     tokens = torch.multinomial(draft, N, replacement=True, generator=g).T       # [N, k]
-    gen = torch.Generator().manual_seed(1)
-    outs = rejection_sample_batched(target.expand(N, -1, -1), draft.expand(N, -1, -1), tokens, [k] * N, [gen] * N)
-    counts = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=V).float()
-    stat, df = chi_square(counts, target[0])
-    # 99.9th percentile of chi-square with df = 4 is 18.47
-    assert stat < 18.47, f"chi-square {stat:.1f} (df {df}): first token is not distributed as the target"
-    freq = counts / N
-    tv_target = 0.5 * (freq - target[0]).abs().sum()
-    tv_draft = 0.5 * (freq - draft[0]).abs().sum()
-    assert tv_target < 0.01 and (case == "draft_equals_target" or tv_draft > 5 * tv_target)
+    if case == "deterministic":            # an n-gram drafter: its draft has probability 1
+        draft_probs = None
+    else:
+        draft_probs = draft.expand(N, -1, -1)
+    n_acc, final = rejection_sample_batched(target.expand(N, -1, -1), draft_probs, tokens,
+                                            torch.full((N,), k), torch.rand(N, k, generator=g))
+    last = draw(final, torch.rand(N, generator=g, dtype=torch.float64))
+    for i in range(k + 1):
+        reached = n_acc >= i                                     # passes that emitted a token at position i
+        at_i = torch.where(n_acc[reached] > i, tokens[reached, min(i, k - 1)], last[reached])
+        counts = torch.bincount(at_i, minlength=V).float()
+        stat, df = chi_square(counts, target[i])
+        # 99.9th percentile of chi-square with df = 4 is 18.47
+        assert stat < 18.47, f"position {i} ({int(reached.sum())} samples): chi-square {stat:.1f} (df {df}): " \
+                             f"not distributed as the target"
+    freq = torch.bincount(torch.where(n_acc > 0, tokens[:, 0], last), minlength=V).float() / N
+    assert 0.5 * (freq - target[0]).abs().sum() < 0.01
+    if case not in ("draft_equals_target", "deterministic"):
+        assert 0.5 * (freq - draft[0]).abs().sum() > 0.05, "the test must be able to tell q from p"
 
 
 # ---------------------------------------------------------------- the n-gram drafter
