@@ -1043,6 +1043,10 @@ class Server(ThreadingHTTPServer):
         self.count_lock = threading.Lock()
         self.open_connections = self.busy = 0        # connections with a thread; handlers answering a POST
         self._refused = deque()                     # (time, socket) answered 503, closed a moment later
+        # The kernel's queue of connections not yet accepted. socketserver's default
+        # of 5 overflows in any burst of connects while the accepting thread waits
+        # for the GIL, and the kernel then drops or resets them (seen with 64 clients).
+        self.request_queue_size = min(max_connections, socket.SOMAXCONN)
         super().__init__(address, Handler)
 
     # Each connection costs a thread (and its stack) for as long as it is open.
