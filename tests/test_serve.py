@@ -1,42 +1,78 @@
 """Assignment: serve.py -- the OpenAI-compatible server.
 
-To pass, implement make_server(llm, host, port): an HTTP server whose one
-engine thread runs llm.step() while handler threads talk to it through
-queues, answering
+To pass, implement make_server(llm, host, port, max_waiting, **limits): an
+HTTP server whose one engine thread runs llm.step() while handler threads
+talk to it through queues, answering
   * POST /v1/completions and /v1/chat/completions in the OpenAI shapes,
     streaming as server-sent events that end with "data: [DONE]" and whose
     text concatenates to the non-streaming result; n > 1; stop strings;
   * GET /v1/models, /health, /metrics (Prometheus text);
-  * bad input with an OpenAI error object: 400 (malformed JSON, wrong types,
-    unknown fields, out-of-range values, empty prompt), 413 (prompt longer
-    than the context), 404 (unknown path or model), 503 (waiting queue full);
-  * a client that disconnects mid-stream gets its request aborted: the KV
-    pool returns to all-free.
-Greedy answers must equal offline LLM.generate, also under 16 concurrent
-clients. The server runs the tiny random model, on a free loopback port.
+  * every error as an OpenAI error object {"error": {message, type, param, code}}:
+    400 (malformed JSON, wrong types, unknown fields, values SamplingParams
+    refuses, empty prompt, prompt + max_tokens beyond the context, n x
+    max_tokens over the cap, n over max_num_seqs, a bad Content-Length),
+    401 (API key), 404 (unknown path or model), 405 with Allow (any other
+    method), 408 (headers or body too slow), 413 (body over the limit, checked
+    before reading it; a prompt longer than the context), 500 (engine failure),
+    503 (waiting queue full, too many connections: with Retry-After; draining);
+  * the sampling ranges of SamplingParams, not a copy of them;
+  * a client that disconnects, streaming or not, gets its request aborted:
+    the KV pool returns to all-free;
+  * an exception in llm.step() fails the requests in flight with an error,
+    and the server goes on;
+  * drain(timeout): new requests 503, requests in flight finish or end with
+    an error, every block free; serve.py exits 0 on SIGTERM after draining.
+Greedy answers must equal offline LLM.generate, also under 64 concurrent
+clients. The servers run the tiny random model, on free loopback ports.
 """
+import contextlib
 import http.client
 import json
+import os
+import re
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from scheduler import LLM, SamplingParams
-from serve import _holdback, make_server, one_shot
+from serve import _holdback, exposure_warning, make_server, one_shot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def serving(llm, max_waiting=64, **limits):
+    """A server on a free loopback port over `llm`, stopped on exit."""
+    srv = make_server(llm, "127.0.0.1", 0, max_waiting=max_waiting, **limits)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        srv.engine.stop()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_path):
-    llm = LLM(tiny_path, device="cpu", dtype="float32", max_num_seqs=8, kv_cache_bytes=1 << 24)
-    srv = make_server(llm, "127.0.0.1", 0, max_waiting=64)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    srv.engine.stop()
+    # max_num_seqs=128: SamplingParams' largest n fits the batch (and 64 clients run at once)
+    llm = LLM(tiny_path, device="cpu", dtype="float32", max_num_seqs=128, kv_cache_bytes=1 << 24)
+    with serving(llm, max_waiting=128) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def small_llm(tiny_path):
+    """A 2-seat engine for servers with special limits, one server at a time."""
+    llm = LLM(tiny_path, device="cpu", dtype="float32", max_num_seqs=2, kv_cache_bytes=1 << 22)
+    yield llm
+    assert not llm.has_unfinished_requests(), "a test left requests in the engine"
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +80,55 @@ def offline(tiny_path):
     return LLM(tiny_path, device="cpu", dtype="float32", kv_cache_bytes=1 << 24)
 
 
-def request(server, method, path, body=None, raw=None):
-    """One real HTTP exchange on a fresh connection: (status, JSON or text body)."""
+def request(server, method, path, body=None, raw=None, headers=None, full=False):
+    """One real HTTP exchange on a fresh connection: (status, JSON or text body[, headers])."""
     host, port = server.server_address[:2]
     conn = http.client.HTTPConnection(host, port, timeout=60)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
     resp = conn.getresponse()
     payload = resp.read().decode()
     conn.close()
-    if resp.getheader("Content-Type", "").startswith("application/json"):
+    if resp.getheader("Content-Type", "").startswith("application/json") and payload:
         payload = json.loads(payload)
-    return resp.status, payload
+    return (resp.status, payload, resp) if full else (resp.status, payload)
+
+
+def raw_exchange(server, data: bytes, method="POST", timeout=10):
+    """Send raw bytes, read one response: (status, headers, JSON or text body, seconds taken)."""
+    t0 = time.monotonic()
+    with socket.create_connection(server.server_address[:2], timeout=timeout) as sock:
+        sock.sendall(data)
+        resp = http.client.HTTPResponse(sock, method=method)
+        resp.begin()
+        body = resp.read().decode()
+    if resp.getheader("Content-Type", "").startswith("application/json") and body:
+        body = json.loads(body)
+    return resp.status, resp, body, time.monotonic() - t0
+
+
+def post_bytes(body: dict, path="/v1/completions", extra=b"") -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n".encode() + extra + b"\r\n" + data)
+
+
+def assert_error(got, out, status, param=None, code=None):
+    """An OpenAI-style error object with this status (and field, and code)."""
+    assert got == status, f"expected HTTP {status}, got {got}: {out!r}"[:500]
+    return error_object(out, param, code)
+
+
+def error_object(out, param=None, code=None) -> dict:
+    """{"error": {"message", "type", "param", "code"}} -> its inner object, checked."""
+    assert isinstance(out, dict) and set(out.get("error", {})) >= {"message", "type", "param", "code"}, \
+        f"not an OpenAI error object: {out!r}"[:500]
+    error = out["error"]
+    assert error["message"] and "Traceback" not in error["message"]
+    if param is not None:
+        assert error["param"] == param, f"the error names {error['param']!r}, not {param!r}: {out}"
+    if code is not None:
+        assert error["code"] == code, out
+    return error
 
 
 def sse(payload: str):
@@ -70,8 +143,63 @@ def wait_all_free(llm, timeout=10.0):
     while time.time() - t0 < timeout:
         if not llm.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks:
             return True
-        time.sleep(0.05)
+        time.sleep(0.02)
     return False
+
+
+def wait_for(condition, timeout=10.0, what="condition"):
+    t0 = time.time()
+    while not condition():
+        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def metric(server, name):
+    status, text = request(server, "GET", "/metrics")
+    values = [float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert status == 200 and values, f"/metrics lacks {name}"
+    return values[0]
+
+
+def start_stream(server, body, path="/v1/completions"):
+    """Open a streaming request on a raw socket and wait for its first event; returns the socket."""
+    sock = socket.create_connection(server.server_address[:2], timeout=30)
+    sock.sendall(post_bytes({**body, "stream": True}, path))
+    received = b""
+    while b"data: " not in received:
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the stream early"
+        received += chunk
+    return sock, received
+
+
+def stream_error(stream: bytes) -> dict:
+    """The error object of a stream that ended in an error event followed by [DONE]."""
+    events = [e[len("data: "):] for e in stream.decode().split("\n\n") if e.startswith("data: ")]
+    assert len(events) >= 2 and events[-1] == "[DONE]", f"stream does not end with [DONE]: {events[-2:]}"
+    return error_object(json.loads(events[-2]))
+
+
+def select_readable(sock):
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def read_to_end(sock) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def assert_ok(server):
+    """The server still answers a normal request."""
+    status, out = request(server, "POST", "/v1/completions", {"prompt": "still there", "max_tokens": 2})
+    assert status == 200 and len(out["choices"]) == 1, out
+
+
+# ----------------------------------------------------------------------------
+# The API
+# ----------------------------------------------------------------------------
 
 
 def test_completion_matches_offline_generate(server, offline):
@@ -134,19 +262,30 @@ def test_n_stop_strings_logprobs_and_seed(server, offline):
     assert all(len(t) >= 2 for t in lp["top_logprobs"])
 
 
-def test_models_health_metrics(server):
-    status, out = request(server, "GET", "/v1/models")
+def test_models_health_metrics_on_one_keep_alive_connection(server):
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=30)   # every request below reuses it
+
+    def get(path, body=None):
+        conn.request("POST" if body else "GET", path, body=json.dumps(body).encode() if body else None)
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        return resp.status, json.loads(text) if resp.getheader("Content-Type") == "application/json" else text
+    status, out = get("/v1/models")
     assert status == 200 and out["data"][0]["id"] and out["object"] == "list"
-    status, out = request(server, "GET", "/health")
+    status, out = get("/health")
     assert status == 200 and out == {"status": "ok"}
-    request(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 0})
-    status, text = request(server, "GET", "/metrics")
+    status, out = get("/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 0})
+    assert status == 200 and out["usage"]["completion_tokens"] == 3
+    status, text = get("/metrics")
+    conn.close()
     assert status == 200
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
     for name in ("nanoinfer_requests_running", "nanoinfer_requests_waiting", "nanoinfer_kv_blocks_free",
                  "nanoinfer_kv_blocks_used", "nanoinfer_kv_blocks_cached", "nanoinfer_prompt_tokens_total",
                  "nanoinfer_generation_tokens_total", "nanoinfer_time_to_first_token_seconds_count",
-                 "nanoinfer_inter_token_latency_seconds_count"):
+                 "nanoinfer_inter_token_latency_seconds_count", "nanoinfer_requests_aborted_total",
+                 "nanoinfer_requests_failed_total"):
         assert name in values, f"/metrics lacks {name}"
     assert values["nanoinfer_generation_tokens_total"] >= 3 and values["nanoinfer_prompt_tokens_total"] >= 1
     assert values["nanoinfer_time_to_first_token_seconds_count"] >= 1
@@ -154,104 +293,503 @@ def test_models_health_metrics(server):
         values["nanoinfer_time_to_first_token_seconds_count"]
 
 
-def test_concurrent_clients_get_offline_answers(server, offline):
-    prompts = [f"Request number {i} says" for i in range(16)]
-    refs = [o.text for o in offline.generate(prompts, [SamplingParams(max_tokens=10 + i % 5) for i in range(16)])]
-    results = [None] * 16
+def test_64_concurrent_clients_get_offline_answers(server, offline):
+    prompts = [f"Request number {i} says" for i in range(64)]
+    lengths = [6 + i % 5 for i in range(64)]
+    refs = [o.text for o in offline.generate(prompts, [SamplingParams(max_tokens=m) for m in lengths])]
+    results = [None] * 64
 
     def client(i):
-        body = {"prompt": prompts[i], "max_tokens": 10 + i % 5, "temperature": 0, "stream": i % 2 == 0}
-        status, payload = request(server, "POST", "/v1/completions", body)
-        assert status == 200
-        results[i] = ("".join(c["choices"][0]["text"] for c in sse(payload) if c["choices"])
-                      if i % 2 == 0 else payload["choices"][0]["text"])
-    # 16 clients at once, half streaming: they share the engine's batches
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+        body = {"prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0, "stream": i % 2 == 0}
+        try:
+            status, payload = request(server, "POST", "/v1/completions", body)
+        except Exception as e:            # recorded, so the assertion below says what happened
+            results[i] = repr(e)
+            return
+        if status == 200:
+            results[i] = ("".join(c["choices"][0]["text"] for c in sse(payload) if c["choices"])
+                          if i % 2 == 0 else payload["choices"][0]["text"])
+        else:
+            results[i] = (status, payload)
+    # 64 clients at once, half streaming: they share the engine's batches
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
     [t.start() for t in threads]
-    [t.join(60) for t in threads]
-    assert results == refs
-    assert wait_all_free(server.engine.llm)
+    [t.join(120) for t in threads]
+    wrong = [(i, results[i], refs[i]) for i in range(64) if results[i] != refs[i]]
+    assert not wrong, f"{len(wrong)} of 64 clients got another answer than LLM.generate, e.g. {wrong[0]}"
+    assert wait_all_free(server.engine.llm), "KV blocks still held after all clients finished"
+
+
+# ----------------------------------------------------------------------------
+# Bad requests: each fails alone, with an error object naming what to fix
+# ----------------------------------------------------------------------------
+
+DEEP = b"[" * 100000 + b"]" * 100000
 
 
 @pytest.mark.parametrize("path,body,status,param", [
     ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, None),        # not JSON, Python's extension
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", 400, None),   # past int()'s digit limit
+    ("/v1/completions", DEEP, 400, None),                                           # nested past the recursion limit
+    ("/v1/completions", b"\xff\xfe{}", 400, None),
+    ("/v1/completions", b"", 400, None),
     ("/v1/completions", [1, 2], 400, None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 10 ** 400}, 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature"),  # JSON's inf
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2.5}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 64}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": "7"}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 10000}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 100000]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1000}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos"),
     ("/v1/completions", {"prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "\ud800 lone surrogate"}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi " * 3000}, 413, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-7"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": 7}, 400, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 1000}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10 ** 9},
+     400, "max_completion_tokens"),
     ("/v1/nothing", {}, 404, None),
 ])
 def test_bad_requests_get_error_objects(server, path, body, status, param):
     raw = body if isinstance(body, bytes) else None
-    got, out = request(server, "POST", path, None if raw else body, raw=raw)
-    assert got == status, out
-    assert isinstance(out, dict) and set(out["error"]) >= {"message", "type", "param", "code"}
-    assert "Traceback" not in out["error"]["message"]
-    if param:
-        assert out["error"]["param"] == param
-    # the server still answers normally
-    ok, _ = request(server, "GET", "/health")
-    assert ok == 200
+    got, out = request(server, "POST", path, None if raw is not None else body, raw=raw)
+    assert_error(got, out, status, param)
+    assert_ok(server)
 
 
-def test_unknown_get_path_is_404(server):
-    status, out = request(server, "GET", "/v2/anything")
-    assert status == 404 and "error" in out
+def test_max_tokens_beyond_the_context_names_both_numbers(server):
+    llm = server.engine.llm
+    prompt = llm.tokenizer.encode("The harbor town")
+    t0 = time.monotonic()
+    status, out = request(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 100000000})
+    assert_error(status, out, 400, "max_tokens", "context_length_exceeded")
+    assert time.monotonic() - t0 < 5, "refusing max_tokens=10^8 must not take long"
+    message = out["error"]["message"]
+    for number in (len(prompt), 100000000, llm.max_len):
+        assert str(number) in message, f"the message should name {number}: {message}"
+    # the boundary: prompt + max_tokens == the context is accepted, one more is refused
+    room = llm.max_len - len(prompt)
+    status, out = request(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": room + 1})
+    assert_error(status, out, 400, "max_tokens")
+    sock, _ = start_stream(server, {"prompt": prompt, "max_tokens": room, "ignore_eos": True})
+    sock.close()                                          # accepted (it streams); leave at once
+    assert wait_all_free(llm), "the abandoned full-context request was not aborted"
+
+
+def test_sampling_ranges_are_samplingparams_own(server, monkeypatch):
+    """The server's bounds are SamplingParams' bounds: the largest values it
+    allows are accepted, one step past them refused, naming the field; and
+    changing SamplingParams.LIMITS moves the server's bounds with it."""
+    L = SamplingParams.LIMITS
+    lo, hi = L["seed"]
+    base = {"prompt": "abc", "max_tokens": 2, "temperature": 0}
+    accepted = [{"n": L["n"], "temperature": 1.0, "max_tokens": 1}, {"logprobs": L["logprobs"]},
+                {"stop": [chr(ord("a") + i) * L["stop_chars"] for i in range(L["stop"])]},
+                {"seed": hi, "temperature": 1.0}, {"seed": lo, "temperature": 1.0},
+                {"temperature": 5.0}, {"top_k": 10 ** 30}, {"top_k": -1}]
+    for extra in accepted:
+        status, out = request(server, "POST", "/v1/completions", {**base, **extra})
+        assert status == 200, f"{list(extra)} at SamplingParams' limit was refused: {out}"
+    status, out = request(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True,
+        "top_logprobs": L["logprobs"]})
+    assert status == 200, out
+    refused = [({"n": L["n"] + 1}, "n"), ({"logprobs": L["logprobs"] + 1}, "logprobs"),
+               ({"stop": ["s"] * (L["stop"] + 1)}, "stop"), ({"stop": ["s" * (L["stop_chars"] + 1)]}, "stop"),
+               ({"seed": hi + 1}, "seed"), ({"seed": lo - 1}, "seed")]
+    for extra, param in refused:
+        status, out = request(server, "POST", "/v1/completions", {**base, **extra})
+        assert_error(status, out, 400, param)
+    # a huge top_k keeps every token: the same sample as top_k off, and no harm done
+    sampled = {**base, "temperature": 1.0, "seed": 3, "max_tokens": 6}
+    texts = [request(server, "POST", "/v1/completions", {**sampled, "top_k": k})[1]["choices"][0]["text"]
+             for k in (0, 10 ** 30)]
+    assert texts[0] == texts[1], "top_k beyond the vocabulary must mean 'all tokens'"
+    # one source of truth: tightening SamplingParams tightens the server
+    for key, value in (("n", 3), ("logprobs", 2), ("stop", 1)):
+        monkeypatch.setitem(SamplingParams.LIMITS, key, value)
+    for extra, param in (({"n": 4, "temperature": 1.0}, "n"), ({"logprobs": 3}, "logprobs"),
+                         ({"stop": ["a", "b"]}, "stop")):
+        status, out = request(server, "POST", "/v1/completions", {**base, **extra})
+        assert_error(status, out, 400, param)
+    assert wait_all_free(server.engine.llm)
+
+
+def test_request_token_cap_and_n_beyond_the_batch(small_llm):
+    with serving(small_llm, max_request_tokens=60) as srv:
+        base = {"prompt": "abc", "temperature": 1.0, "seed": 1}
+        t0 = time.monotonic()
+        status, out = request(srv, "POST", "/v1/completions", {**base, "n": 2, "max_tokens": 31})
+        assert_error(status, out, 400, "n", "request_too_large")
+        assert "60" in out["error"]["message"] and "62" in out["error"]["message"], out
+        status, out = request(srv, "POST", "/v1/completions", {**base, "n": 2, "max_tokens": 30})
+        assert status == 200 and len(out["choices"]) == 2, out
+        # n beyond max_num_seqs (2) could never be scheduled: refused at once, naming both numbers
+        for stream in (False, True):
+            status, out = request(srv, "POST", "/v1/completions",
+                                  {**base, "n": 3, "max_tokens": 5, "stream": stream})
+            assert_error(status, out, 400, "n")
+            assert "3" in out["error"]["message"] and "2" in out["error"]["message"], out
+        assert time.monotonic() - t0 < 20, "the refusals must be quick"
+        assert_ok(srv)
+        assert wait_all_free(small_llm)
+
+
+def test_default_request_token_cap_is_16_contexts(server):
+    llm, n = server.engine.llm, SamplingParams.LIMITS["n"]
+    per_sample = 16 * llm.max_len // n
+    base = {"prompt": "abc", "temperature": 1.0, "seed": 1, "n": n}
+    status, out = request(server, "POST", "/v1/completions", {**base, "max_tokens": per_sample + 1})
+    assert_error(status, out, 400, "n", "request_too_large")
+    sock, _ = start_stream(server, {**base, "max_tokens": per_sample})   # exactly the cap: accepted
+    sock.close()
+    # chat's default max_tokens (the rest of the context) shrinks to fit the cap instead of failing
+    sock, _ = start_stream(server, {"messages": [{"role": "user", "content": "x"}], "n": n}, "/v1/chat/completions")
+    sock.close()
+    assert wait_all_free(llm), "the abandoned requests were not aborted"
+
+
+def test_engine_refusal_arrives_as_a_400(server, monkeypatch):
+    """add_request's ValueError (e.g. the engine's own n > max_num_seqs check)
+    is a 400 with its message, also for a stream (before any 200 is sent)."""
+    llm = server.engine.llm
+    real = llm.add_request
+
+    def refuse(prompt, params=None, request_id=None):
+        if params.max_tokens == 7:
+            raise ValueError("n = 9 exceeds max_num_seqs = 8")
+        return real(prompt, params, request_id=request_id)
+    monkeypatch.setattr(llm, "add_request", refuse)
+    for stream in (False, True):
+        status, out = request(server, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 7, "stream": stream})
+        assert_error(status, out, 400)
+        assert "max_num_seqs" in out["error"]["message"], out
+    assert_ok(server)
+
+
+# ----------------------------------------------------------------------------
+# HTTP-level limits: size, framing, methods, slowness, connections, keys
+# ----------------------------------------------------------------------------
+
+
+def test_body_size_and_content_length(server):
+    limit = server.max_body_bytes
+    assert 1 << 20 <= limit <= 64 << 20, "the default body limit should be a few MB"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    # an announced 1 GB body is refused at once, without sending (or reading) a byte of it
+    status, resp, out, seconds = raw_exchange(server, head + b"Content-Length: 1000000000\r\n\r\n")
+    assert_error(status, out, 413)
+    assert seconds < 2 and resp.getheader("Connection") == "close"
+    # Expect: 100-continue gets the refusal instead of the go-ahead
+    status, _, out, _ = raw_exchange(server, head + b"Expect: 100-continue\r\nContent-Length: 1000000000\r\n\r\n")
+    assert_error(status, out, 413)
+    # a body just over the limit, actually sent, still gets its 413 (not a reset)
+    status, out = request(server, "POST", "/v1/completions", raw=b" " * (limit + 1))
+    assert_error(status, out, 413)
+    # just under: read and parsed
+    status, out = request(server, "POST", "/v1/completions",
+                          {"prompt": "hi", "max_tokens": 1, "user": "u" * (limit - 100)})
+    assert status == 200, out
+    for bad in (b"Content-Length: abc\r\n", b"Content-Length: -5\r\n", b"Content-Length: +5\r\n",
+                b"Content-Length: 1_0\r\n", b"Content-Length: 5, 6\r\n", b"Content-Length: 5\r\nContent-Length: 6\r\n",
+                b"Transfer-Encoding: chunked\r\n", b""):
+        status, _, out, _ = raw_exchange(server, head + bad + b"\r\n" + b"0\r\n\r\n")
+        assert_error(status, out, 400)
+    assert_ok(server)
+
+
+@pytest.mark.parametrize("method,path,allow", [
+    ("HEAD", "/health", "GET"), ("OPTIONS", "/v1/completions", "POST"), ("PUT", "/v1/completions", "POST"),
+    ("DELETE", "/v1/models", "GET"), ("PATCH", "/v1/chat/completions", "POST"), ("TRACE", "/metrics", "GET"),
+    ("BREW", "/", "GET, POST"), ("get", "/health", "GET"),
+    ("GET", "/v1/completions", "POST"), ("POST", "/health", "GET"), ("POST", "/v1/models", "GET")])
+def test_other_methods_get_405_with_allow(server, method, path, allow):
+    data = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{{}}".encode()
+    status, resp, out, _ = raw_exchange(server, data, method=method)
+    assert status == 405, f"{method} {path}: {status} {out!r}"
+    assert resp.getheader("Allow") == allow and resp.getheader("Content-Type") == "application/json"
+    if method != "HEAD":                  # a response to HEAD has no body
+        assert_error(status, out, 405)
+    assert_ok(server)
+
+
+@pytest.mark.parametrize("data,status", [
+    (b"GARBAGE\r\n\r\n", 400), (b"GET /health HTTP/9.9\r\n\r\n", 505),
+    (b"GET /health HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", 431),
+    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
+    (b"GET /health HTTP/1.1\r\n" + b"X: y\r\n" * 200 + b"\r\n", 431)])
+def test_malformed_http_gets_json_errors(server, data, status):
+    got, _, out, _ = raw_exchange(server, data)
+    assert_error(got, out, status)
+    assert_ok(server)
+
+
+def test_slow_clients_time_out_without_delaying_others(small_llm):
+    with serving(small_llm, header_timeout=1.0, body_timeout=1.0) as srv:
+        addr = srv.server_address[:2]
+        t0 = time.monotonic()
+        slow_headers = socket.create_connection(addr, timeout=10)
+        slow_headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")      # ... and nothing more
+        slow_body = socket.create_connection(addr, timeout=10)
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        idle = socket.create_connection(addr, timeout=10)                         # sends nothing at all
+        status, out = request(srv, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 200 and not select_readable(slow_headers), \
+            "a normal request must be answered while slow clients are still being waited for"
+        for sock, what in ((slow_headers, "headers"), (slow_body, "body")):
+            resp = http.client.HTTPResponse(sock)
+            resp.begin()
+            out = json.loads(resp.read())
+            assert_error(resp.status, out, 408)
+            assert what in out["error"]["message"], out
+        assert idle.recv(100) == b"", "an idle connection is closed silently after the header timeout"
+        assert time.monotonic() - t0 < 5, "the timeouts did not fire on time"
+        # a client trickling a byte at a time cannot stretch the deadline
+        trickle = socket.create_connection(addr, timeout=10)
+        t1, answer = time.monotonic(), b""
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 1000:
+            try:
+                trickle.sendall(bytes([byte]))
+            except OSError:
+                break
+            if select_readable(trickle):
+                answer = trickle.recv(4096)
+                break
+            time.sleep(0.05)
+        assert answer.startswith(b"HTTP/1.1 408"), f"a trickling client was not cut off: {answer[:80]!r}"
+        assert time.monotonic() - t1 < 2.5
+        for sock in (slow_headers, slow_body, idle, trickle):
+            sock.close()
+        assert_ok(srv)
+
+
+def test_connection_cap_answers_503_with_retry_after(small_llm):
+    with serving(small_llm, max_connections=2, header_timeout=30) as srv:
+        addr = srv.server_address[:2]
+        held = [socket.create_connection(addr) for _ in range(2)]
+        wait_for(lambda: srv.open_connections == 2, what="two open connections")
+        status, resp, out, seconds = raw_exchange(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert_error(status, out, 503)
+        assert resp.getheader("Retry-After") and seconds < 2
+        for sock in held:
+            sock.close()
+        wait_for(lambda: srv.open_connections == 0, what="closed connections to be released")
+        assert_ok(srv)
+
+
+def test_api_key(small_llm):
+    with serving(small_llm, api_key="s3cret") as srv:
+        body = {"prompt": "x", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}, {"Authorization": "Bearer s3cret-and-more"},
+                        {"Authorization": "Bearer \u00e9\u00e9"}):
+            for method, path, data in (("GET", "/v1/models", None), ("POST", "/v1/completions", body)):
+                status, out, resp = request(srv, method, path, data, headers=headers, full=True)
+                assert_error(status, out, 401)
+                assert resp.getheader("WWW-Authenticate", "").startswith("Bearer")
+        # refused before the body is read: an unauthenticated client cannot make the server read 1 GB
+        status, _, out, seconds = raw_exchange(srv, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                                    b"Content-Length: 1000000000\r\n\r\n")
+        assert_error(status, out, 401)
+        for scheme in ("Bearer", "bearer"):
+            status, out = request(srv, "POST", "/v1/completions", body, headers={"Authorization": f"{scheme} s3cret"})
+            assert status == 200, out
+        assert request(srv, "GET", "/health")[0] == 200, "/health must stay open for probes"
+        assert request(srv, "GET", "/metrics")[0] == 200, "/metrics stays open for scrapers"
+    assert exposure_warning("0.0.0.0", None) and exposure_warning("", None) and exposure_warning("10.1.2.3", None)
+    assert "api" in exposure_warning("0.0.0.0", None).lower()
+    for quiet in (("127.0.0.1", None), ("::1", None), ("localhost", None), ("0.0.0.0", "key")):
+        assert exposure_warning(*quiet) is None, quiet
+
+
+# ----------------------------------------------------------------------------
+# Faults: departed clients, engine failures, back-pressure, shutdown
+# ----------------------------------------------------------------------------
 
 
 def test_disconnect_mid_stream_frees_the_blocks(server):
     llm = server.engine.llm
     assert wait_all_free(llm)
-    host, port = server.server_address[:2]
-    body = json.dumps({"prompt": "a long story", "max_tokens": 400, "temperature": 0, "stream": True,
-                       "ignore_eos": True}).encode()
-    sock = socket.create_connection((host, port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    received = b""
-    while b"data: " not in received:                     # wait until the stream has started
-        chunk = sock.recv(4096)
-        assert chunk, "the server closed the stream early"
-        received += chunk
+    aborted = metric(server, "nanoinfer_requests_aborted_total")
+    sock, _ = start_stream(server, {"prompt": "a long story", "max_tokens": 400, "temperature": 0,
+                                    "ignore_eos": True})
     sock.close()                                         # ... and the client leaves
     assert wait_all_free(llm), "the aborted request's KV blocks were not freed"
-    status, out = request(server, "GET", "/metrics")
-    aborted = [line for line in out.splitlines() if line.startswith("nanoinfer_requests_aborted_total ")]
-    assert aborted and float(aborted[0].split()[1]) >= 1, "the abort was not counted"
+    assert metric(server, "nanoinfer_requests_aborted_total") == aborted + 1, "the abort was not counted"
 
 
-def test_full_waiting_queue_answers_503(tiny_path):
-    llm = LLM(tiny_path, device="cpu", dtype="float32", max_num_seqs=1, kv_cache_bytes=1 << 22)
-    srv = make_server(llm, "127.0.0.1", 0, max_waiting=1)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        statuses = []
+def test_non_streaming_clients_that_leave_are_aborted(server):
+    """Issue 20: four non-streaming requests whose clients closed their sockets
+    must stop generating (not run to the end), and free their blocks."""
+    llm = server.engine.llm
+    assert wait_all_free(llm)
+    aborted = metric(server, "nanoinfer_requests_aborted_total")
+    finished = metric(server, "nanoinfer_requests_finished_total")
+    body = {"prompt": "a story", "max_tokens": llm.max_len - 8, "ignore_eos": True, "temperature": 0}
+    socks = [socket.create_connection(server.server_address[:2]) for _ in range(4)]
+    for sock in socks:
+        sock.sendall(post_bytes(body))
+    wait_for(lambda: metric(server, "nanoinfer_generation_tokens_total") > 0 and
+             len(llm.scheduler.running) == 4, what="the four requests to run")
+    for sock in socks:
+        sock.close()
+    assert wait_all_free(llm, timeout=5), "requests of departed clients kept generating"
+    assert metric(server, "nanoinfer_requests_aborted_total") == aborted + 4
+    assert metric(server, "nanoinfer_requests_finished_total") == finished, "they ran to the end instead"
+
+
+def test_engine_step_failure_fails_its_requests_and_serving_goes_on(server, offline, monkeypatch):
+    llm = server.engine.llm
+    real_step, armed = llm.step, threading.Event()
+
+    def flaky_step():
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected engine fault")
+        return real_step()
+    monkeypatch.setattr(llm, "step", flaky_step)
+    body = {"prompt": "doomed", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+    sock, _ = start_stream(server, body)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=request(server, "POST", "/v1/completions", body)))
+    thread.start()
+    wait_for(lambda: len(llm.requests) == 2, what="both requests in the engine")
+    failed = metric(server, "nanoinfer_requests_failed_total")
+    armed.set()
+    error = stream_error(read_to_end(sock))
+    sock.close()
+    thread.join(30)
+    assert error["type"] == "server_error", error
+    assert_error(*result["r"], 500)
+    assert metric(server, "nanoinfer_requests_failed_total") == failed + 2
+    assert wait_all_free(llm), "a failed step left blocks held"
+    status, out = request(server, "POST", "/v1/completions", {"prompt": "The harbor town", "max_tokens": 8,
+                                                               "temperature": 0})
+    ref = offline.generate(["The harbor town"], SamplingParams(max_tokens=8))[0].text
+    assert status == 200 and out["choices"][0]["text"] == ref, "later requests are not served normally"
+
+
+def test_full_waiting_queue_answers_503(small_llm):
+    with serving(small_llm, max_waiting=1) as srv:
+        results = []
 
         def client():
-            statuses.append(request(srv, "POST", "/v1/completions",
-                                    {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "temperature": 0})[0])
-        # one seat (max_num_seqs=1) and one waiting place: of 6 simultaneous clients some must get 503
-        threads = [threading.Thread(target=client) for _ in range(6)]
+            results.append(request(srv, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 100,
+                                                                    "ignore_eos": True, "temperature": 0},
+                                   full=True))
+        # two seats (max_num_seqs=2) and one waiting place: of 8 simultaneous clients some must get 503
+        threads = [threading.Thread(target=client) for _ in range(8)]
         [t.start() for t in threads]
         [t.join(120) for t in threads]
+        statuses = sorted(r[0] for r in results)
         assert 503 in statuses and 200 in statuses, statuses
-        assert wait_all_free(llm)
+        for status, out, resp in results:
+            if status == 503:
+                assert_error(status, out, 503)
+                assert resp.getheader("Retry-After"), "a 503 for overload should say when to retry"
+        assert wait_all_free(small_llm)
+
+
+def test_drain_finishes_in_flight_requests_and_aborts_the_rest(small_llm):
+    with serving(small_llm) as srv:
+        short = {}
+        long_sock, _ = start_stream(srv, {"prompt": "long", "max_tokens": 1500, "ignore_eos": True})
+        thread = threading.Thread(target=lambda: short.update(r=request(srv, "POST", "/v1/completions", {
+            "prompt": "short", "max_tokens": 60, "ignore_eos": True, "temperature": 0})))
+        thread.start()
+        wait_for(lambda: len(small_llm.requests) == 2, what="both requests in flight")
+        hurry, report = threading.Event(), {}
+        drainer = threading.Thread(target=lambda: report.update(srv.drain(30, hurry)))
+        drainer.start()
+        wait_for(lambda: srv.draining, what="draining")
+        assert_error(*request(srv, "POST", "/v1/completions", {"prompt": "late", "max_tokens": 2}), 503)
+        assert_error(*request(srv, "GET", "/health"), 503)
+        thread.join(60)
+        status, out = short["r"]
+        assert status == 200 and out["choices"][0]["finish_reason"] == "length", "in flight, it should finish"
+        assert out["usage"]["completion_tokens"] == 60
+        hurry.set()                       # stop waiting for the long one
+        drainer.join(30)
+        assert stream_error(read_to_end(long_sock))["code"] == "server_shutting_down"
+        long_sock.close()
+        assert report["in_flight"] == 2 and report["aborted"] == 1, report
+        assert report["kv_blocks_free"] == report["kv_blocks_total"], report
+        assert wait_all_free(small_llm)
+
+
+def test_sigterm_drains_and_exits_0(tiny_path):
+    env = {**os.environ, "NANOINFER_API_KEY": "k", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "serve.py", "--model", tiny_path, "--port", "0", "--device", "cpu",
+                             "--dtype", "float32", "--kv-cache-bytes", str(1 << 22), "--max-num-seqs", "4",
+                             "--drain-seconds", "0.5"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not (m := re.search(r"http://([\d.]+):(\d+)/v1", lines[-1] if lines else "")):
+            line = proc.stdout.readline()
+            assert line, f"serve.py exited before serving: {''.join(lines)}"
+            lines.append(line)
+
+        class Addr:                        # what request() needs of a server
+            server_address = (m.group(1), int(m.group(2)))
+        auth = {"Authorization": "Bearer k"}
+        assert request(Addr, "GET", "/v1/models")[0] == 401, "NANOINFER_API_KEY was not applied"
+        body = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}
+        sock = socket.create_connection(Addr.server_address, timeout=30)
+        data = json.dumps({**body, "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        full = {}
+        thread = threading.Thread(target=lambda: full.update(r=request(Addr, "POST", "/v1/completions", body,
+                                                                        headers=auth)))
+        thread.start()
+        wait_for(lambda: metric(Addr, "nanoinfer_requests_running") == 2, timeout=30, what="two running requests")
+        proc.send_signal(signal.SIGTERM)
+        stream = read_to_end(sock)
+        sock.close()
+        thread.join(30)
+        assert proc.wait(timeout=30) == 0, "serve.py must exit 0 after draining"
+        output = "".join(lines) + proc.stdout.read()
     finally:
-        srv.shutdown()
-        srv.server_close()
-        srv.engine.stop()
+        proc.kill() if proc.poll() is None else None
+    assert stream_error(stream)["code"] == "server_shutting_down"
+    assert_error(*full["r"], 503, code="server_shutting_down")
+    m = re.search(r"(\d+) aborted\); (\d+)/(\d+) KV blocks free", output)
+    assert m and m.group(1) == "2" and m.group(2) == m.group(3), f"drain report: {output[-300:]}"
 
 
 def test_holdback_and_one_shot(tiny_path, offline, capsys):
