@@ -334,8 +334,10 @@ def load_shard(path: str, rank: int, world_size: int, device, dtype, quantizatio
 
     Loaded on the CPU and moved after slicing, so a device only ever holds its
     slice (the point of tensor parallelism: a model too big for one device).
-    On CPU a float32 checkpoint is memory-mapped, so N processes loading it
-    share the page cache and copy only their slices."""
+    A float32 checkpoint loaded as float32 stays memory-mapped, so N processes
+    share the file's pages (page cache) and copy only their slices into
+    their own memory. (A production loader reads just its slice from the
+    file, e.g. safetensors' get_slice; this one stays a three-liner.)"""
     model, _ = load_model(path, device="cpu", dtype=dtype)
     if quantization is not None:
         quantize_model(model, quantization)
@@ -385,6 +387,7 @@ def tensor_parallel_cost(cfg: ModelConfig, world_size: int, tokens: int, dtype=t
                         pays a fixed latency, which dominates at small batch (bench.py measures it).
     Not counted: the embedding's all-reduce (one more [tokens, D]) and the logits all-gather.
     """
+    check_tensor_parallel(cfg, world_size)         # e.g. 8 KV heads do not split 16 ways
     b = torch.finfo(dtype).bits // 8
     payload = 2 * cfg.n_layers * tokens * cfg.dim * b
     ring = 2 * (world_size - 1) / world_size * payload

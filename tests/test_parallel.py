@@ -346,6 +346,8 @@ def test_cost_arithmetic_on_llama_8b_shapes():
     assert c["allreduce_seconds"] == pytest.approx(58_720_256 / 450e9)
     assert c["kv_bytes_per_token_per_rank"] == 2 * 32 * 1 * 128 * 2     # 8 KV heads over 8 ranks
     assert tensor_parallel_cost(LLAMA_8B, 1, 64)["ring_bytes_per_rank"] == 0
+    with pytest.raises(ValueError, match="KV heads 8"):
+        tensor_parallel_cost(LLAMA_8B, 16, 64)               # 8 KV heads do not split 16 ways
     # an independent count: shard a meta-device model for rank 0 of 4 and add up its tensors
     with torch.device("meta"):
         model = Transformer(LLAMA_8B).to(torch.bfloat16)
