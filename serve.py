@@ -563,25 +563,15 @@ def _checked_params(fields: dict, api_names: dict) -> SamplingParams:
 # ----------------------------------------------------------------------------
 
 
-def _holdback(text: str, stops: list[str]) -> int:
-    """How many trailing characters might still become a stop string (not sent yet).
-
-    Streamed text cannot be taken back: if the text ends in "wor" and "world"
-    is a stop string, those 3 characters wait until the next token shows
-    whether the stop string completes (and is cut) or not (and they are sent).
-    """
-    return max([k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
-
-
-def _logprobs_json(llm, completion, start: int, chat: bool):
-    """The OpenAI logprobs object for the tokens from `start` on."""
-    if completion.logprobs is None:
+def _logprobs_json(llm, token_ids: list, logprobs: list | None, chat: bool):
+    """The OpenAI logprobs object for these tokens (logprobs: (value, {alternative: value}) each)."""
+    if logprobs is None:
         return None
     tok = llm.tokenizer
     # A token is bytes, not always whole UTF-8 characters: show it with
     # replacement characters, and give the exact bytes too (chat's format).
     piece = lambda t: tok.token_bytes(t).decode("utf-8", errors="replace")   # noqa: E731
-    items = list(zip(completion.token_ids[start:], completion.logprobs[start:]))
+    items = list(zip(token_ids, logprobs))
     if chat:
         return {"content": [{"token": piece(t), "logprob": lp, "bytes": list(tok.token_bytes(t)),
                              "top_logprobs": [{"token": piece(a), "logprob": alp, "bytes": list(tok.token_bytes(a))}
@@ -909,6 +899,8 @@ class Handler(JSONRequestHandler):
                 raise item
             if isinstance(item, Exception):
                 raise APIError(500, str(item))
+            if item is not None and getattr(item, "error", None):   # the engine failed this request alone
+                raise APIError(500, f"the request failed: {item.error}", code="request_failed")
             if item is not None:
                 return item
 
@@ -943,7 +935,7 @@ class Handler(JSONRequestHandler):
             return                                      # the client left
         choices = []
         for c in final.outputs:
-            lp = _logprobs_json(self.engine.llm, c, 0, chat)
+            lp = _logprobs_json(self.engine.llm, c.token_ids, c.logprobs, chat)
             if chat:
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": lp, "finish_reason": c.finish_reason})
@@ -964,9 +956,6 @@ class Handler(JSONRequestHandler):
         self.end_headers()
         self.close_connection = True
         kind = "chat.completion.chunk" if chat else "text_completion"
-        # Snapshots carry each choice's whole text; per choice we remember how much
-        # was sent, so each event carries only the new piece (the delta).
-        sent_text, sent_tokens, done = {}, {}, set()
 
         def event(choices, **extra):
             data = {"id": obj_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
@@ -976,28 +965,22 @@ class Handler(JSONRequestHandler):
             if chat:    # the first chunk of each choice names the role
                 event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None} for i in range(params.n)])
-            final = None
+            final, done = None, set()
             for final in self._outputs(rid, q):
+                # Each snapshot carries what the step added (new_text): the engine
+                # already held back text that may still become a stop string, and
+                # half a UTF-8 character, so every delta can be sent as it is.
                 choices = []
                 for c in final.outputs:
-                    if c.index in done:
-                        continue
-                    finished = c.finish_reason is not None
-                    # Send only what can no longer change: all of it once finished,
-                    # else all but a possible start of a stop string (_holdback).
-                    stable = len(c.text) if finished else len(c.text) - _holdback(c.text, params.stop)
-                    start = sent_text.get(c.index, 0)
-                    delta = c.text[start:stable] if stable > start else ""
-                    lp = _logprobs_json(self.engine.llm, c, sent_tokens.get(c.index, 0), chat)
-                    if not delta and not finished:          # e.g. half a UTF-8 character, held back
-                        continue
-                    sent_text[c.index], sent_tokens[c.index] = max(start, stable), len(c.token_ids)
-                    reason = c.finish_reason if finished else None
-                    choices.append({"index": c.index, "delta": {"content": delta} if delta else {},
-                                    "logprobs": lp, "finish_reason": reason} if chat else
-                                   {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": reason})
-                    if finished:
+                    if c.index in done or not (c.new_text or c.finish_reason or c.new_logprobs):
+                        continue                            # finished earlier, or nothing to show yet
+                    if c.finish_reason:
                         done.add(c.index)
+                    lp = _logprobs_json(self.engine.llm, c.new_token_ids, c.new_logprobs, chat)
+                    choices.append({"index": c.index, "delta": {"content": c.new_text} if c.new_text else {},
+                                    "logprobs": lp, "finish_reason": c.finish_reason} if chat else
+                                   {"index": c.index, "text": c.new_text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason})
                 if choices:
                     event(choices)
             if final is None or not final.finished:
@@ -1172,23 +1155,19 @@ def one_shot(llm: LLM, prompt: str, chat: bool, params: SamplingParams, out=None
     """Generate for one prompt, printing text as it is produced.
 
     No server and no threads: the same add_request/step loop the engine thread
-    runs, for one request, printing the stable part of each snapshot (the
-    same rule as streaming: a possible start of a stop string waits)."""
+    runs, for one request, printing each step's new text (the engine holds
+    back what may still become a stop string)."""
     out = out or sys.stdout
     if chat:
         ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
     else:
         ids = llm.tokenizer.encode(prompt, allow_special=True)
-    rid, sent = llm.add_request(ids, params), 0
+    rid = llm.add_request(ids, params)
     while llm.has_unfinished_requests():
         for o in llm.step():
-            if o.request_id == rid:
-                c = o.outputs[0]
-                stable = len(c.text) if o.finished else len(c.text) - _holdback(c.text, params.stop)
-                if stable > sent:
-                    out.write(c.text[sent:stable])
-                    out.flush()
-                    sent = stable
+            if o.request_id == rid and o.outputs[0].new_text:
+                out.write(o.outputs[0].new_text)
+                out.flush()
     out.write("\n")
     return o
 

@@ -41,7 +41,7 @@ import time
 import pytest
 
 from scheduler import LLM, SamplingParams
-from serve import _holdback, exposure_warning, make_server, one_shot
+from serve import exposure_warning, make_server, one_shot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -703,6 +703,33 @@ def test_engine_step_failure_fails_its_requests_and_serving_goes_on(server, offl
     assert status == 200 and out["choices"][0]["text"] == ref, "later requests are not served normally"
 
 
+def test_a_request_the_engine_fails_alone_gets_an_error_and_others_go_on(server, offline, monkeypatch):
+    """The engine finishes one request with finish_reason "error" (here: its
+    text cannot be processed); its client gets an error, a stream beside it
+    completes with exactly the offline answer."""
+    import scheduler
+    llm = server.engine.llm
+    poison = llm.tokenizer.encode("poison pill")
+    add_text = scheduler.Sequence.add_text
+
+    def failing(self, delta):
+        if self.request.prompt_ids == poison:
+            raise UnicodeError("this text cannot be processed")
+        return add_text(self, delta)
+    monkeypatch.setattr(scheduler.Sequence, "add_text", failing)
+    good = {"prompt": "The harbor town", "max_tokens": 24, "temperature": 0, "stream": True}
+    sock, first = start_stream(server, good)
+    status, out = request(server, "POST", "/v1/completions", {"prompt": "poison pill", "max_tokens": 8})
+    stream = first + read_to_end(sock)
+    sock.close()
+    assert_error(status, out, 500)
+    assert "cannot be processed" in out["error"]["message"]
+    text = "".join(c["choices"][0]["text"] for c in sse(stream.split(b"\r\n\r\n", 1)[-1].decode())
+                   if c.get("choices"))
+    assert text == offline.generate(["The harbor town"], SamplingParams(max_tokens=24))[0].text
+    assert wait_all_free(llm)
+
+
 def test_full_waiting_queue_answers_503(small_llm):
     with serving(small_llm, max_waiting=1) as srv:
         results = []
@@ -792,8 +819,7 @@ def test_sigterm_drains_and_exits_0(tiny_path):
     assert m and m.group(1) == "2" and m.group(2) == m.group(3), f"drain report: {output[-300:]}"
 
 
-def test_holdback_and_one_shot(tiny_path, offline, capsys):
-    assert _holdback("hello wor", ["world"]) == 3 and _holdback("hello", ["xyz"]) == 0
+def test_one_shot_prints_the_stream(tiny_path, offline, capsys):
     out = one_shot(offline, "The harbor town", False, SamplingParams(max_tokens=12))
     printed = capsys.readouterr().out
     assert printed == out.text + "\n"
