@@ -7,7 +7,9 @@ The lesson: text enters the model as integers. A byte-level BPE tokenizer
   2. turns each word into its UTF-8 bytes, one token per byte;
   3. repeatedly merges the adjacent pair whose merged bytes have the lowest
      rank (the order the merges were learned in) until no merge applies.
-Decoding is just concatenating each token's bytes and decoding UTF-8.
+Decoding is just concatenating each token's bytes and decoding UTF-8 (an
+id beyond the vocabulary, which a "random:" Llama 3 preset samples, decodes
+to the placeholder U+FFFD).
 
 Place in the data flow: `encode` turns a prompt into the token ids a
 `Sequence` starts from; `IncrementalDecoder` turns the ids the engine
@@ -38,6 +40,11 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # out, a whitespace run before a digit keeps all its spaces.
 DIGITS_THEN_GPT2_PATTERN = (r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"
                             r"|\s+(?![^\s\p{N}])|\s+")
+# What an id beyond the vocabulary decodes to: U+FFFD, Unicode's replacement
+# character, which decode already gives for bytes that are not valid UTF-8.
+# One character per unknown id, so the output's length still counts tokens,
+# and every consumer (terminals, JSON, stop strings) handles it already.
+PLACEHOLDER = "\ufffd"
 
 
 def _unicode_to_byte() -> dict[str, int]:
@@ -154,13 +161,30 @@ class Tokenizer:
         return [self.ranks[p] for p in parts]
 
     def token_bytes(self, token_id: int) -> bytes:
-        return self.enc.decode_single_token_bytes(token_id)
+        """One token's bytes; an id this vocabulary lacks gives PLACEHOLDER's bytes.
+
+        Such ids are legal model outputs, not errors: a "random:" Llama 3
+        preset (model.py) samples from 128256 ids and is read with the
+        default model's 49152-token tokenizer. Negative ids are a bug: ValueError.
+        """
+        if token_id < 0:
+            raise ValueError(f"token ids are non-negative, got {token_id}")
+        try:
+            return self.enc.decode_single_token_bytes(token_id)
+        except (KeyError, OverflowError):     # beyond the vocabulary (or beyond 2^32)
+            return PLACEHOLDER.encode("utf-8")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Token ids -> text. Bytes that are not valid UTF-8 become U+FFFD."""
+        """Token ids -> text. Bytes that are not valid UTF-8 become U+FFFD, and
+        so does each id beyond the vocabulary (PLACEHOLDER, see token_bytes)."""
+        ids = list(ids)
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.id_to_special]
-        return self.enc.decode_bytes(list(ids)).decode("utf-8", errors="replace")
+        try:
+            data = self.enc.decode_bytes(ids)             # all in Rust: the usual case
+        except (KeyError, OverflowError):                 # an unknown (or negative) id somewhere
+            data = b"".join(self.token_bytes(i) for i in ids)
+        return data.decode("utf-8", errors="replace")
 
     # -- chat -----------------------------------------------------------------
 
@@ -207,7 +231,8 @@ class IncrementalDecoder:
     A token may end in the middle of a multi-byte UTF-8 character (emoji are
     often split over 2-4 byte tokens). Python's incremental UTF-8 decoder
     holds back an incomplete tail until the next bytes complete it, so the
-    concatenation of everything returned equals decode(all ids).
+    concatenation of everything returned equals decode(all ids), ids beyond
+    the vocabulary included (token_bytes gives their placeholder's bytes).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):

@@ -8,15 +8,32 @@ To pass, implement:
     causal path over one sequence;
   * load_model for Hugging Face checkpoints (single file and sharded,
     tied and untied LM heads, Llama-3.1 rope scaling, attention bias),
-    with clear errors for broken checkpoints;
-  * default_model_path: converting the GGUF of SmolLM2 correctly;
+    STRICT: the weights hold exactly the tensors the config implies, or one
+    error lists every difference; ModelConfig.from_hf checks each field's
+    type and range and names the field it refuses;
+  * "random:<preset>[:seed=N]": the published shapes and parameter counts
+    of SmolLM2-135M and Llama 3.x 1B-70B with seeded random weights made on
+    the target device, scaled so activations stay finite through every
+    layer and the logits are not flat;
+  * convert_gguf: the GGUF of SmolLM2 (dequantized, q/k rows un-permuted)
+    into a checkpoint equal to what transformers computes, and
+    default_model_path: a cache that converts once, cleans what killed
+    conversions left, survives concurrent starts, has ordinary permissions
+    and says clearly when it cannot be written;
   * generate: naive greedy generation without a cache.
 The real model must reproduce logits from Hugging Face transformers
 (tests/fixtures/make_model_fixture.py made them) within 1e-4 in float32.
 """
+import errno
+import gzip
 import json
 import os
 import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -24,6 +41,7 @@ import torch.nn.functional as F
 from conftest import FIXTURES, tiny_config, tiny_model
 from safetensors.torch import load_file
 
+import model as model_mod
 from model import (ModelConfig, RMSNorm, Transformer, apply_rope, dense_causal_attention, generate,
                    load_model, rope_frequencies)
 
@@ -225,8 +243,9 @@ def test_missing_tensor(tmp_path):
     index = json.loads((d / "model.safetensors.index.json").read_text())
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not v.startswith("model-00003")}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="lacks tensors"):
+    with pytest.raises(ValueError, match="missing") as e:
         load_model(str(d))
+    assert "norm.weight" in str(e.value) and "lm_head.weight" in str(e.value), "the error must name what is missing"
 
 
 def test_prompt_longer_than_context():
@@ -244,3 +263,707 @@ def test_config_rejects_inconsistent_heads():
         ModelConfig.from_hf({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
                              "num_attention_heads": 4, "num_key_value_heads": 3,
                              "intermediate_size": 8, "vocab_size": 10})
+
+
+# ------------------------------------------------- config fields, type- and range-checked
+
+# SmolLM2-135M-Instruct's config.json as published on the Hugging Face hub
+# (the fields a Llama reads), the valid base every bad case below changes.
+PUBLISHED_SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0, "rope_scaling": None, "tie_word_embeddings": True, "hidden_act": "silu",
+    "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+# (field, bad value): a string, a float, a bool, zero, negative, out of range, wrong container...
+BAD_FIELDS = [
+    ("num_hidden_layers", "30"), ("num_hidden_layers", 29.5), ("num_hidden_layers", 30.0),
+    ("num_hidden_layers", 0), ("num_hidden_layers", -1), ("num_hidden_layers", True),
+    ("num_hidden_layers", None), ("num_hidden_layers", 10**9), ("num_hidden_layers", [30]),
+    ("hidden_size", "576"), ("hidden_size", 0), ("hidden_size", -576), ("hidden_size", 2**40),
+    ("intermediate_size", 0), ("intermediate_size", 1536.5), ("intermediate_size", None),
+    ("num_attention_heads", 0), ("num_attention_heads", "9"), ("num_attention_heads", -9),
+    ("num_key_value_heads", 0), ("num_key_value_heads", 4), ("num_key_value_heads", 18),
+    ("num_key_value_heads", "3"), ("head_dim", 0), ("head_dim", 63), ("head_dim", "64"), ("head_dim", -64),
+    ("vocab_size", 0), ("vocab_size", "49152"), ("vocab_size", -1), ("vocab_size", None),
+    ("max_position_embeddings", 0), ("max_position_embeddings", -8192), ("max_position_embeddings", "8192"),
+    ("max_position_embeddings", 8192.0),
+    ("rope_theta", 0), ("rope_theta", -1.0), ("rope_theta", "1e5"), ("rope_theta", float("nan")),
+    ("rope_theta", float("inf")), ("rope_theta", True),
+    ("rms_norm_eps", 0), ("rms_norm_eps", -1e-5), ("rms_norm_eps", "1e-5"), ("rms_norm_eps", 1.5),
+    ("rms_norm_eps", float("nan")),
+    ("tie_word_embeddings", "true"), ("tie_word_embeddings", "false"), ("tie_word_embeddings", 1),
+    ("attention_bias", "false"), ("attention_bias", 0), ("mlp_bias", "false"),
+    ("bos_token_id", -1), ("bos_token_id", 49152), ("bos_token_id", "1"), ("bos_token_id", 1.0),
+    ("eos_token_id", [2, "x"]), ("eos_token_id", 10**6), ("eos_token_id", True),
+    ("rope_scaling", "llama3"), ("rope_scaling", [8.0]),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
+    ("architectures", "LlamaForCausalLM"),
+]
+BAD_ROPE = [("factor", None), ("factor", 0), ("factor", "8"), ("factor", 0.5), ("low_freq_factor", 0),
+            ("high_freq_factor", 1.0), ("high_freq_factor", "4"), ("original_max_position_embeddings", 0),
+            ("original_max_position_embeddings", 8192.5), ("original_max_position_embeddings", None)]
+
+
+@pytest.mark.parametrize("field,value", BAD_FIELDS, ids=[f"{f}={v!r}" for f, v in BAD_FIELDS])
+def test_config_field_checked_and_named(field, value):
+    hf = {**PUBLISHED_SMOLLM2, field: value}
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf(hf)
+    assert field in str(e.value), f"the error must name the field {field}: {e.value}"
+
+
+@pytest.mark.parametrize("key,value", BAD_ROPE, ids=[f"{k}={v!r}" for k, v in BAD_ROPE])
+@pytest.mark.parametrize("where", ["rope_scaling", "rope_parameters"])
+def test_llama3_rope_fields_checked_and_named(where, key, value):
+    rope = {**LLAMA3_ROPE, key: value}
+    hf = {**PUBLISHED_SMOLLM2, where: rope}
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_hf(hf)
+    assert f"{where}.{key}" in str(e.value), f"the error must name {where}.{key}: {e.value}"
+
+
+def test_valid_config_variants_are_accepted():
+    """What real checkpoints write must keep loading: omitted optional fields,
+    nulls, integer floats, lists of eos ids, transformers 5's rope_parameters."""
+    cfg = ModelConfig.from_hf(PUBLISHED_SMOLLM2)
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size,
+            cfg.max_seq_len, cfg.tie_embeddings, cfg.rope_scaling) == (576, 30, 9, 3, 64, 1536, 49152, 8192,
+                                                                      True, None)
+    bare = {k: PUBLISHED_SMOLLM2[k] for k in ("model_type", "hidden_size", "intermediate_size",
+                                              "num_hidden_layers", "num_attention_heads", "vocab_size")}
+    cfg = ModelConfig.from_hf(bare)
+    assert cfg.n_kv_heads == 9 and cfg.head_dim == 64 and not cfg.tie_embeddings, "defaults: MHA, D // H, untied"
+    cfg = ModelConfig.from_hf({**PUBLISHED_SMOLLM2, "num_key_value_heads": None, "head_dim": None,
+                               "rope_theta": 10000, "rms_norm_eps": 1e-6, "eos_token_id": [2, 0]})
+    assert cfg.n_kv_heads == 9 and cfg.head_dim == 64 and cfg.rope_theta == 10000.0 and cfg.eos_token_id == [2, 0]
+    v5 = {k: v for k, v in PUBLISHED_SMOLLM2.items() if k != "rope_theta"}
+    cfg = ModelConfig.from_hf({**v5, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}})
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["factor"] == 8.0
+    with pytest.raises(ValueError, match="head_dim"):   # 576 / 7 heads is not whole: head_dim must be stated
+        ModelConfig.from_hf({**PUBLISHED_SMOLLM2, "num_attention_heads": 7, "num_key_value_heads": 7,
+                             "head_dim": None})
+
+
+# ------------------------------------------------- strict loading: the weights must match the config
+
+def linked_checkpoint(tmp_path, src, **changes):
+    """A checkpoint folder whose weights are symlinks to src's and whose config.json has `changes`."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for name in os.listdir(src):
+        if name != "config.json":
+            (d / name).symlink_to(os.path.join(src, name))
+    cfg = json.loads(open(os.path.join(src, "config.json")).read())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.mark.parametrize("layers", [29, 31, 1])
+def test_layer_count_that_disagrees_with_the_weights_is_refused(tmp_path, real_path, layers):
+    """The issue's case: num_hidden_layers 29 over 30 layers of weights once loaded silently."""
+    d = linked_checkpoint(tmp_path, real_path, num_hidden_layers=layers)
+    with pytest.raises(ValueError) as e:
+        load_model(d)
+    msg = str(e.value)
+    assert "num_hidden_layers" in msg and "30 layers" in msg, f"the hint must point at the layer count: {msg}"
+    if layers < 30:
+        assert "unexpected" in msg and f"layers.{layers}.input_layernorm.weight" in msg, msg
+    else:
+        assert "missing" in msg and "layers.30.input_layernorm.weight" in msg, msg
+    assert len(msg) < 2000, "a long list must be shortened"
+
+
+def rewrite_shards(d, change):
+    """Apply change(dict of all tensors) -> dict to a copied sharded checkpoint, as ONE file."""
+    tensors = {}
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(str(d / f)))
+            (d / f).unlink()
+    (d / "model.safetensors.index.json").unlink()
+    from safetensors.torch import save_file
+    save_file(change(tensors), str(d / "model.safetensors"))
+
+
+def test_one_error_lists_missing_and_unexpected(tmp_path):
+    d = copy_tiny(tmp_path)
+    rewrite_shards(d, lambda t: {("model.final_norm.weight" if k == "model.norm.weight" else k): v
+                                 for k, v in t.items()})
+    with pytest.raises(ValueError) as e:
+        load_model(str(d))
+    msg = str(e.value)
+    assert "missing" in msg and "norm.weight" in msg and "unexpected" in msg and "final_norm.weight" in msg, msg
+
+
+def test_unexpected_tensor_is_refused(tmp_path):
+    d = copy_tiny(tmp_path)
+    rewrite_shards(d, lambda t: {**t, "model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)})
+    with pytest.raises(ValueError, match="unexpected.*layers.0.mlp.extra_proj.weight"):
+        load_model(str(d))
+
+
+def test_known_harmless_extras_are_ignored(tmp_path):
+    """Old transformers saved RoPE's inv_freq buffer; it is recomputed from the config."""
+    d = copy_tiny(tmp_path)
+    rewrite_shards(d, lambda t: {**t, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(4)
+                                         for i in range(2)}})
+    model, _ = load_model(str(d))
+    ids = GOLDEN["tiny_ids"]
+    assert (model(ids, torch.arange(len(ids))) - GOLDEN["tiny_logits"]).abs().max() < 1e-4
+
+
+def test_tied_config_over_a_distinct_lm_head_is_refused(tmp_path):
+    """tie_word_embeddings=true would throw a trained lm_head away: refused,
+    unless the stored head equals the embedding (a harmless duplicate)."""
+    d = copy_tiny(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match="tie_word_embeddings") as e:
+        load_model(str(d))
+    assert "lm_head.weight" in str(e.value)
+    rewrite_shards(d, lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"].clone()})
+    model, cfg = load_model(str(d))
+    assert cfg.tie_embeddings and model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_untied_config_without_lm_head_is_refused(tmp_path):
+    d = copy_tiny(tmp_path)
+    rewrite_shards(d, lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
+    with pytest.raises(ValueError, match="missing.*lm_head.weight(.|\n)*tie_word_embeddings"):
+        load_model(str(d))
+
+
+def test_attention_bias_that_disagrees_is_refused(tmp_path):
+    d = copy_tiny(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "attention_bias": False}))
+    with pytest.raises(ValueError, match="unexpected(.|\n)*q_proj.bias(.|\n)*attention_bias"):
+        load_model(str(d))
+
+
+@pytest.mark.parametrize("field,value,tensor", [("num_key_value_heads", 4, "k_proj.weight"),
+                                                ("head_dim", 16, "self_attn."),
+                                                ("intermediate_size", 48, "gate_proj.weight"),
+                                                ("vocab_size", 300, "embed_tokens.weight"),
+                                                ("hidden_size", 48, "embed_tokens.weight")])
+def test_shapes_that_disagree_are_refused_naming_the_fields(tmp_path, field, value, tensor):
+    d = copy_tiny(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ValueError) as e:
+        load_model(str(d))
+    msg = str(e.value)
+    assert "wrong shape" in msg and tensor in msg and field in msg, msg
+
+
+def test_integer_weights_are_refused(tmp_path):
+    d = copy_tiny(tmp_path)
+    rewrite_shards(d, lambda t: {**t, "model.norm.weight": t["model.norm.weight"].to(torch.int8)})
+    with pytest.raises(ValueError, match="not floating point.*norm.weight: I8"):
+        load_model(str(d))
+
+
+def test_shard_listed_in_the_index_but_absent(tmp_path):
+    d = copy_tiny(tmp_path)
+    (d / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00003.safetensors"):
+        load_model(str(d))
+
+
+def test_bad_config_in_a_checkpoint_names_the_file_and_field(tmp_path, real_path):
+    d = linked_checkpoint(tmp_path, real_path, num_hidden_layers="30")
+    with pytest.raises(ValueError, match=r"config\.json: config field num_hidden_layers must be an integer"):
+        load_model(d)
+    (tmp_path / "b").mkdir()
+    d2 = linked_checkpoint(tmp_path / "b", real_path, max_position_embeddings=0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        load_model(d2)
+
+
+def test_meta_load_reads_no_weights_and_counts_exactly(real_path):
+    model, cfg = load_model(real_path, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008, "SmolLM2-135M's published count"
+
+
+# ------------------------------------------------- "random:" presets: lecture-scale shapes, no download
+
+# The published configs (Hugging Face hub) and parameter counts, typed in here
+# independently of model.PRESETS: (layers, hidden, heads, kv heads, head dim,
+# ffn, vocab, tied, rope_theta, llama3 rope factor, max positions, parameters).
+PUBLISHED = {
+    "smollm2-135m": (30, 576, 9, 3, 64, 1536, 49152, True, 100000.0, None, 8192, 134_515_008),
+    "llama-3.2-1b": (16, 2048, 32, 8, 64, 8192, 128256, True, 500000.0, 32.0, 131072, 1_235_814_400),
+    "llama-3.2-3b": (28, 3072, 24, 8, 128, 8192, 128256, True, 500000.0, 32.0, 131072, 3_212_749_824),
+    "llama-3.1-8b": (32, 4096, 32, 8, 128, 14336, 128256, False, 500000.0, 8.0, 131072, 8_030_261_248),
+    "llama-3.1-70b": (80, 8192, 64, 8, 128, 28672, 128256, False, 500000.0, 8.0, 131072, 70_553_706_496),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_preset_has_the_published_shapes_on_the_meta_device(name):
+    model, cfg = load_model(f"random:{name}", device="meta", dtype=torch.bfloat16)
+    layers, dim, heads, kv, hd, ffn, vocab, tied, theta, factor, ctx, count = PUBLISHED[name]
+    got = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size,
+           cfg.tie_embeddings, cfg.rope_theta, cfg.rope_scaling and cfg.rope_scaling["factor"], cfg.max_seq_len)
+    assert got == PUBLISHED[name][:-1], f"{name}: config {got} != published {PUBLISHED[name][:-1]}"
+    if factor:
+        assert (cfg.rope_scaling["low_freq_factor"], cfg.rope_scaling["high_freq_factor"],
+                cfg.rope_scaling["original_max_position_embeddings"]) == (1.0, 4.0, 8192), "Llama 3.1 rope scaling"
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters()), "meta allocates nothing"
+    assert sum(p.numel() for p in model.parameters()) == count, "tied embeddings counted once"
+    assert model.layers[0].self_attn.k_proj.weight.shape == (kv * hd, dim)
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    assert cfg.random_seed == 0, "a random model's config says its weights are random"
+
+
+def test_smollm2_preset_has_the_real_default_models_tensors(real_path):
+    preset, _ = load_model("random:smollm2-135m", device="meta")
+    real, _ = load_model(real_path, device="meta")
+    shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}   # noqa: E731
+    assert shapes(preset) == shapes(real)
+
+
+def test_presets_validate_as_checkpoint_configs():
+    from model import PRESETS
+    assert set(PUBLISHED) <= set(PRESETS)
+    for name, hf in PRESETS.items():
+        assert isinstance(ModelConfig.from_hf(hf), ModelConfig), name
+
+
+def test_random_weights_are_seeded():
+    a, _ = load_model("random:tiny")
+    b, _ = load_model("random:tiny:seed=0")
+    c, _ = load_model("random:tiny:seed=1")
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa), "the default seed is 0: the same weights every run"
+    assert not torch.equal(sa["layers.0.self_attn.q_proj.weight"], sc["layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(sa["layers.0.self_attn.q_proj.weight"], sa["layers.1.self_attn.q_proj.weight"]), \
+        "every tensor gets its own random values"
+
+
+def test_random_weights_are_made_in_the_target_dtype(monkeypatch):
+    """No float32 copy first: every tensor is created in bf16 directly."""
+    made = []
+    real_empty = torch.empty
+
+    def spy(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        if not t.is_meta:                  # the meta-device skeleton allocates nothing
+            made.append(t.dtype)
+        return t
+    monkeypatch.setattr(torch, "empty", spy)
+    model, _ = load_model("random:tiny", dtype=torch.bfloat16)
+    monkeypatch.undo()
+    assert made and all(d == torch.bfloat16 for d in made), f"tensors made in {set(made)}"
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def check_random_model(model, n_prompts=8):
+    """Finite, bounded hidden states after every layer; informative logits."""
+    states = []
+    hooks = [layer.register_forward_hook(lambda m, i, o: states.append(o)) for layer in model.layers]
+    argmaxes = []
+    g = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(n_prompts):
+            ids = torch.randint(0, model.config.vocab_size, (6,), generator=g)
+            logits = model(ids, torch.arange(6)).float()
+            assert torch.isfinite(logits).all(), "logits must be finite"
+            assert logits[-1].std() > 0.5, f"logits are flat: std {logits[-1].std():.3g} across the vocabulary"
+            argmaxes.append(int(logits[-1].argmax()))
+    finally:
+        for h in hooks:
+            h.remove()
+    for i, s in enumerate(states[:len(model.layers)]):
+        rms = s.float().pow(2).mean().sqrt()
+        assert torch.isfinite(s).all() and rms < 100, f"layer {i}: hidden state RMS {rms:.3g} (must stay finite)"
+    assert len(set(argmaxes)) >= n_prompts - 1, f"different inputs must predict different tokens: {argmaxes}"
+
+
+def test_random_default_preset_is_finite_and_informative():
+    model, cfg = load_model("random:smollm2-135m")
+    check_random_model(model, n_prompts=6)
+
+
+def test_random_weights_stay_finite_at_70b_depth():
+    """80 layers (Llama-3.1-70B's depth) at a narrow width, in bfloat16."""
+    from model import random_weights
+    cfg = ModelConfig(dim=128, n_layers=80, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=448, vocab_size=2048,
+                      rope_theta=500000.0, tie_embeddings=False, max_seq_len=4096)
+    model, _ = random_weights(cfg, seed=0, dtype=torch.bfloat16)
+    check_random_model(model, n_prompts=4)
+
+
+def test_bad_random_names():
+    with pytest.raises(ValueError, match="llama-3.1-8b"):        # the error lists the presets
+        load_model("random:llama-9")
+    for bad in ["random:tiny:seed=x", "random:tiny:seed=-1", "random:tiny:sed=1", "random:tiny:seed=1:x",
+                f"random:tiny:seed={2**64}"]:
+        with pytest.raises(ValueError, match="seed="):
+            load_model(bad)
+
+
+def test_tokenizer_path(tmp_path, real_path):
+    from model import tokenizer_path
+    assert tokenizer_path("random:llama-3.1-8b:seed=3") == real_path
+    assert tokenizer_path(None) == real_path
+    assert tokenizer_path(str(tmp_path)) == str(tmp_path)
+
+
+def test_llama3_vocabulary_preset_generates_ids_beyond_the_tokenizer(real_tokenizer):
+    model, cfg = load_model("random:tiny")
+    assert cfg.vocab_size == 128256 > real_tokenizer.vocab_size
+    out = generate(model, real_tokenizer.encode("Hello"), 24)
+    assert any(t >= real_tokenizer.vocab_size for t in out), "a 128k-vocabulary model samples ids > 49151"
+    text = real_tokenizer.decode(out)
+    assert text.count("\ufffd") >= sum(t >= real_tokenizer.vocab_size for t in out)
+
+
+# ------------------------------------------------- GGUF conversion, run for real even on a warm cache
+
+def test_real_gguf_conversion_matches_transformers(tmp_path, monkeypatch):
+    """Convert the embedded GGUF into an empty cache (the one real conversion
+    of this file, ~8 s) and hold the result to transformers' logits (which
+    the fixture script cross-checked against transformers reading the GGUF)."""
+    from tokenizer import Tokenizer
+    monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path / "cache"))
+    old = os.umask(0o022)
+    try:
+        path = model_mod.default_model_path()
+    finally:
+        os.umask(old)
+    assert path == str(tmp_path / "cache" / "SmolLM2-135M-Instruct")
+    modes = {f: stat.S_IMODE(os.stat(os.path.join(path, f)).st_mode) for f in os.listdir(path)}
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755, "an ordinary folder (0777 minus the umask)"
+    assert modes == {f: 0o644 for f in model_mod.CHECKPOINT_FILES}, f"ordinary files, nothing else: {modes}"
+    assert not [e for e in os.listdir(tmp_path / "cache") if e.startswith(".convert-")]
+    hf = json.loads(open(os.path.join(path, "config.json")).read())
+    written = {k: v for k, v in PUBLISHED_SMOLLM2.items() if k not in ("rope_scaling", "mlp_bias")}
+    assert {k: hf.get(k) for k in written} == written, "the converted config.json must be the published one"
+    model, _ = load_model(path)
+    for i in range(4):
+        ids = GOLDEN[f"ids_{i}"]
+        err = (model(ids, torch.arange(len(ids)))[:, GOLDEN["cols"]] - GOLDEN[f"logits_{i}"]).abs().max().item()
+        assert err < 1e-4, f"prompt {i}: the fresh conversion's logits differ from transformers' by {err:.2e}"
+    tok = Tokenizer.from_pretrained(path)
+    cases = json.load(gzip.open(os.path.join(FIXTURES, "tokenizer_golden.json.gz"), "rt", encoding="utf-8"))
+    bad = [c["text"] for c in cases["cases"][:300] if tok.encode(c["text"], allow_special=True) != c["ids"]]
+    assert not bad, f"the converted tokenizer differs from HF tokenizers on {len(bad)} strings, e.g. {bad[0]!r}"
+    assert tok.eos_token_id == 2 and tok.apply_chat_template([{"role": "user", "content": "hi"}]).startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def bytes_to_unicode():
+    """GPT-2's printable stand-in for each byte (openai/gpt-2 encoder.py)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def llama_cpp_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: HF's rotate-half
+    q/k rows -> GGUF's interleaved pairs (the converter must undo it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, sd, n_heads, n_kv, head_dim):
+    """A GGUF as llama.cpp writes one, from a HF-named state dict: llama.cpp
+    tensor names, permuted q/k rows, some tensors quantized (Q8_0, Q4_1, F16)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+    w = GGUFWriter(str(path), "llama")
+    for add, value in [(w.add_block_count, 2), (w.add_context_length, 256), (w.add_embedding_length, 32),
+                       (w.add_feed_forward_length, 64), (w.add_head_count, n_heads), (w.add_head_count_kv, n_kv),
+                       (w.add_key_length, head_dim), (w.add_value_length, head_dim),
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_rope_freq_base, 10000.0)]:
+        add(value)
+    b2u = bytes_to_unicode()        # a byte-level vocabulary: 256 bytes, one merge, two control tokens
+    tokens = [b2u[b] for b in range(256)] + ["Ġt", "<|im_start|>", "<|im_end|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 257 + [3, 3])          # 1 = normal, 3 = control
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(257)
+    w.add_eos_token_id(258)
+    w.add_chat_template("{{ '<|im_start|>' }}")
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "q_proj": "attn_q", "k_proj": "attn_k",
+             "v_proj": "attn_v", "o_proj": "attn_output", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+             "down_proj": "ffn_down"}
+    qtypes = {"ffn_up": Q.Q8_0, "ffn_gate": Q.Q4_1, "attn_v": Q.F16}
+    stored = {}
+    for key, t in sd.items():
+        a = t.numpy().astype(np.float32)
+        parts = key.removeprefix("model.").split(".")
+        if parts[0] == "lm_head":
+            name = "output.weight"
+        elif parts[0] == "layers":
+            kind = names[parts[-2]]
+            if kind == "attn_q":
+                a = llama_cpp_permute(a, n_heads)
+            elif kind == "attn_k":
+                a = llama_cpp_permute(a, n_kv)
+            name = f"blk.{parts[1]}.{kind}.weight"
+        else:
+            name = f"{names[parts[0]]}.weight"
+        qt = qtypes.get(name.split(".")[-2], Q.F32)
+        data = quantize(a, qt)
+        w.add_tensor(name, data, raw_dtype=qt if qt != Q.F32 else None)
+        stored[key] = (data, qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+def test_synthetic_gguf_converts_exactly(tmp_path):
+    """A tiny untied Llama whose head_dim (16) is not hidden/heads (8), written
+    as GGUF the way llama.cpp does; the converter must give back the exact
+    (dequantized) Hugging Face tensors and config."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    from model import convert_gguf
+    from tokenizer import Tokenizer
+    src = tiny_model(seed=3, dim=32, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64, vocab_size=259,
+                     tie_embeddings=False)
+    sd = {("" if k == "lm_head.weight" else "model.") + k: v for k, v in src.state_dict().items()}
+    stored = write_tiny_gguf(tmp_path / "tiny.gguf", sd, n_heads=4, n_kv=2, head_dim=16)
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_gguf(str(tmp_path / "tiny.gguf"), str(out))
+    hf = json.loads((out / "config.json").read_text())
+    assert {k: hf[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                               "intermediate_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings",
+                               "rms_norm_eps", "rope_theta", "max_position_embeddings", "bos_token_id",
+                               "eos_token_id")} == \
+        {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 259, "tie_word_embeddings": False,
+         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256, "bos_token_id": 257,
+         "eos_token_id": 258}
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(sd)
+    for key, (data, qt) in stored.items():
+        if qt == Q.F32:     # stored exactly (q and k among them): permuted and un-permuted back
+            assert torch.equal(got[key], sd[key]), f"{key}: the converted tensor differs from the original"
+        else:               # quantized: exactly what the gguf package's own dequantizer gives
+            want = torch.from_numpy(np.array(dequantize(data, qt), dtype=np.float32)).reshape(sd[key].shape)
+            assert torch.equal(got[key], want), f"{key} ({qt.name}): not the dequantized stored tensor"
+            assert torch.allclose(got[key], sd[key], atol=0.1), f"{key}: far from the original weights"
+    model, cfg = load_model(str(out))
+    assert cfg.head_dim == 16 and not cfg.tie_embeddings
+    tok = Tokenizer.from_pretrained(str(out))
+    assert tok.encode(" t") == [256] and tok.encode(" x") == [32, 120], "byte-level BPE with the one merge"
+    assert tok.eos_token_id == 258 and tok.decode([257, 116]) == "<|im_start|>t"
+
+
+# ------------------------------------------------- the default model's cache heals itself
+# A fake converter (it writes the four files in no time) stands in for the
+# real one, which test_real_gguf_conversion_matches_transformers runs once.
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty NANOINFER_CACHE and a fast fake conversion; yields (cache folder, list of conversions)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("NANOINFER_CACHE", str(root))
+    monkeypatch.setattr(model_mod, "_find_gguf", lambda: "SmolLM2.gguf")
+    calls = []
+
+    def fake_convert(gguf, out, delay=0.0):
+        calls.append(out)
+        time.sleep(delay)
+        for name in model_mod.CHECKPOINT_FILES:
+            with open(os.path.join(out, name), "w") as f:
+                f.write("{}")
+    monkeypatch.setattr(model_mod, "convert_gguf", fake_convert)
+    return root, calls
+
+
+def leftovers(root):
+    return sorted(e for e in os.listdir(root) if e.startswith(".convert-"))
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o755), (0o002, 0o775), (0o077, 0o700)])
+def test_cache_converts_once_with_the_umasks_permissions(cache, umask, mode):
+    root, calls = cache
+    old = os.umask(umask)
+    try:
+        path = model_mod.default_model_path()
+    finally:
+        os.umask(old)
+    assert path == str(root / "SmolLM2-135M-Instruct") and len(calls) == 1
+    got = stat.S_IMODE(os.stat(path).st_mode)
+    assert got == mode, f"umask {umask:o}: the model folder has mode {got:o}, an ordinary mkdir gives {mode:o}"
+    assert model_mod.default_model_path() == path and len(calls) == 1, "a complete cache is not converted again"
+    assert not leftovers(root)
+
+
+def test_leftover_of_a_killed_conversion_is_removed_at_next_start(cache):
+    root, calls = cache
+    model_mod.default_model_path()
+    dead = root / ".convert-99999-deadbeef"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"x" * 1000)
+    (root / ".convert-99999-deadbeef-old").mkdir()
+    assert model_mod.default_model_path() == str(root / "SmolLM2-135M-Instruct")
+    assert not leftovers(root) and len(calls) == 1, "stale folders go, the model stays"
+
+
+KILLED_CONVERTER = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import model
+def slow(gguf, out):
+    open(os.path.join(out, "model.safetensors"), "w").write("half")
+    open({ready!r}, "w").close()
+    time.sleep(300)
+model.convert_gguf, model._find_gguf = slow, lambda: "SmolLM2.gguf"
+model.default_model_path()
+"""
+
+
+def test_live_conversion_is_kept_and_a_killed_one_is_cleaned(cache, tmp_path):
+    """A process converting holds the lock: its folder must survive the
+    cleanup; once it is killed (SIGKILL: no chance to clean up), the next start removes it."""
+    root, calls = cache
+    ready = tmp_path / "ready"
+    code = KILLED_CONVERTER.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   ready=str(ready))
+    child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "NANOINFER_CACHE": str(root)})
+    try:
+        deadline = time.time() + 120
+        while not ready.exists():
+            assert child.poll() is None and time.time() < deadline, "the converting child did not start"
+            time.sleep(0.05)
+        live = leftovers(root)
+        assert len(live) == 1
+        model_mod._remove_stale(str(root), wait=False)        # what every start does
+        assert leftovers(root) == live, "a live conversion's folder must not be removed"
+    finally:
+        child.kill()
+        child.wait()
+    path = model_mod.default_model_path()
+    assert not leftovers(root) and len(calls) == 1 and os.path.isfile(os.path.join(path, "model.safetensors"))
+
+
+def test_concurrent_starts_both_succeed_with_one_conversion(cache, monkeypatch):
+    root, calls = cache
+    slow = model_mod.convert_gguf
+    monkeypatch.setattr(model_mod, "convert_gguf", lambda g, out: slow(g, out, delay=0.5))
+    results, errors = [], []
+
+    def start():
+        try:
+            results.append(model_mod.default_model_path())
+        except Exception as e:    # noqa: BLE001 -- reported by the assertion below
+            errors.append(e)
+    threads = [threading.Thread(target=start) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and results == [str(root / "SmolLM2-135M-Instruct")] * 3, (errors, results)
+    assert len(calls) == 1, "the others wait for the one converting, then use its result"
+    assert not leftovers(root)
+
+
+@pytest.mark.parametrize("present", [["config.json"], [], ["config.json", "tokenizer.json", "junk.bin"]])
+def test_half_present_model_folder_is_replaced(cache, present):
+    root, calls = cache
+    out = root / "SmolLM2-135M-Instruct"
+    out.mkdir(parents=True)
+    for name in present:
+        (out / name).write_text("old")
+    assert model_mod.default_model_path() == str(out) and len(calls) == 1
+    assert sorted(os.listdir(out)) == sorted(model_mod.CHECKPOINT_FILES), "the new folder, none of the old files"
+    assert (out / "config.json").read_text() == "{}"
+    model_mod.default_model_path()
+    assert len(calls) == 1 and not leftovers(root), "converted once, not at every start"
+
+
+def test_failed_conversion_leaves_nothing(cache, monkeypatch):
+    root, calls = cache
+
+    def broken(gguf, out):
+        open(os.path.join(out, "model.safetensors"), "w").write("half")
+        raise RuntimeError("corrupt GGUF")
+    monkeypatch.setattr(model_mod, "convert_gguf", broken)
+    with pytest.raises(RuntimeError, match="corrupt GGUF"):
+        model_mod.default_model_path()
+    assert not leftovers(root) and not (root / "SmolLM2-135M-Instruct").exists()
+
+
+def read_only(monkeypatch, root, code=errno.EROFS):
+    """Make every folder and file creation under root fail as on a read-only file system."""
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def mkdir(p, *a, **k):
+        if str(p).startswith(str(root)):
+            raise OSError(code, os.strerror(code), str(p))
+        return real_mkdir(p, *a, **k)
+
+    def open_(p, flags, *a, **k):
+        if str(p).startswith(str(root)) and flags & (os.O_CREAT | os.O_WRONLY | os.O_RDWR):
+            raise OSError(code, os.strerror(code), str(p))
+        return real_open(p, flags, *a, **k)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", open_)
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
+def test_unwritable_cache_says_which_folder_and_NANOINFER_CACHE(cache, monkeypatch, code):
+    root, calls = cache
+    root.mkdir()
+    read_only(monkeypatch, root, code)
+    with pytest.raises(OSError) as e:
+        model_mod.default_model_path()
+    assert str(root) in str(e.value) and "NANOINFER_CACHE" in str(e.value), str(e.value)
+    assert e.value.errno == code and not calls
+
+
+def test_cache_under_a_file_says_which_folder_and_NANOINFER_CACHE(cache, monkeypatch, tmp_path):
+    _, calls = cache
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path / "a_file" / "cache"))
+    with pytest.raises(OSError, match="NANOINFER_CACHE") as e:
+        model_mod.default_model_path()
+    assert str(tmp_path / "a_file" / "cache") in str(e.value) and not calls
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores folder permissions")
+def test_cache_without_write_permission(cache):
+    root, calls = cache
+    root.mkdir()
+    root.chmod(0o555)
+    try:
+        with pytest.raises(PermissionError, match="NANOINFER_CACHE"):
+            model_mod.default_model_path()
+    finally:
+        root.chmod(0o755)
+
+
+def test_read_only_cache_holding_the_model_is_used(cache, monkeypatch):
+    """A shared course cache, read-only to students: it works, and the
+    housekeeping it cannot do is skipped silently."""
+    root, calls = cache
+    path = model_mod.default_model_path()
+    (root / ".convert-12345-abcdef01").mkdir()
+    read_only(monkeypatch, root)
+    assert model_mod.default_model_path() == path and len(calls) == 1

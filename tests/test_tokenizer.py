@@ -7,7 +7,11 @@ To pass, implement Tokenizer.from_pretrained(path) so that:
   * decode(encode(s)) == s, and IncrementalDecoder streams the same text
     without ever emitting half a UTF-8 character;
   * special-token strings in plain text stay plain text unless allowed;
-  * apply_chat_template renders ChatML exactly as transformers' jinja does.
+  * apply_chat_template renders ChatML exactly as transformers' jinja does;
+  * an id beyond the vocabulary (a "random:" Llama 3 preset samples from
+    128256 ids; SmolLM2 has 49152) decodes to one U+FFFD placeholder, in
+    decode, token_bytes and the incremental decoder alike, while encode is
+    unchanged and negative ids are refused.
 """
 import gzip
 import json
@@ -105,3 +109,39 @@ def test_bad_input(real_tokenizer, tmp_path):
     from tokenizer import Tokenizer
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_pretrained(str(tmp_path))
+
+
+BEYOND = [49152, 100000, 128255, 2**40]    # the first id past SmolLM2's vocabulary, Llama 3's last, absurd
+
+
+def test_ids_beyond_the_vocabulary_decode_to_a_placeholder(real_tokenizer):
+    tok = real_tokenizer
+    hello, world = tok.encode("Hello"), tok.encode(" world")
+    for bad in BEYOND:
+        assert tok.decode([bad]) == "\ufffd", f"id {bad} must decode to U+FFFD"
+        assert tok.decode(hello + [bad] + world) == "Hello\ufffd world", "one placeholder, the rest intact"
+        assert tok.decode(hello + [bad], skip_special_tokens=True) == "Hello\ufffd", "not a special token"
+        assert tok.token_bytes(bad) == "\ufffd".encode()
+    assert tok.decode([49151]) != "\ufffd", "the last real id is a real token"
+    ids = tok.encode("Hello\ufffd world")          # a literal U+FFFD in text is ordinary text
+    assert all(i < 49152 for i in ids) and tok.decode(ids) == "Hello\ufffd world"
+
+
+def test_incremental_decoder_handles_ids_beyond_the_vocabulary(real_tokenizer):
+    tok = real_tokenizer
+    emoji = tok.encode("😀")
+    assert len(emoji) > 1, "the emoji must be split for the second case to mean anything"
+    for ids in ([*tok.encode("a b"), 100000, *tok.encode(" c")],     # between whole characters
+                [emoji[0], 128000, *emoji[1:]],                   # inside a split character
+                [100000, 100001, tok.eos_token_id, *emoji]):
+        dec = IncrementalDecoder(tok, skip_special_tokens=True)
+        streamed = "".join(dec.push(i) for i in ids) + dec.flush()
+        assert streamed == tok.decode(ids, skip_special_tokens=True), f"streaming {ids} != decode"
+        assert "\ufffd" in streamed
+
+
+def test_negative_ids_are_refused(real_tokenizer):
+    with pytest.raises(ValueError, match="non-negative"):
+        real_tokenizer.decode([5, -1])
+    with pytest.raises(ValueError, match="non-negative"):
+        IncrementalDecoder(real_tokenizer).push(-3)
