@@ -212,7 +212,7 @@ def workload(b: Bench, vocab: int, seed: int = 0):
 # ----------------------------------------------------------------------------
 
 
-TINY_MODEL = "random:tiny"      # model.py preset: 2 layers, dim 64, the real vocabulary
+TINY_MODEL = "random:smollm2-tiny"   # model.py preset: 2 layers, dim 64, the real vocabulary
 
 
 def forward_seconds(b: Bench, llm, batch: int, context: int, steps: int) -> float:

@@ -73,13 +73,17 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
     their softmax stays finite; the caller drops their output. Keys past a
     sequence's length (padding of its block table) are masked out, so a
     table may be padded with any valid block id. Returns [B, Q, H, d].
+
+    The gather makes each sequence's paged K, V one padded [T, n_kv, d] run;
+    then it is exactly the masked softmax(q k^T / sqrt(d)) v of cache.py's
+    reference, computed by PyTorch's fused attention (one kernel for scores,
+    mask, softmax and the weighted sum; enable_gqa: query head h reads KV head
+    h // G, the grouping of the reference, without copying K, V per head).
     """
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                  # [B, W, bs, n_kv, d]: one gather
     n_kv, T = k.shape[-2], block_tables.shape[1] * k.shape[2]
-    k, v = k.reshape(B, T, n_kv, d), v.reshape(B, T, n_kv, d)  # [B, T, n_kv, d]
-    qg = q.view(B, Q, n_kv, H // n_kv, d)                      # [B, Q, n_kv, G, d]: GQA by grouping
-    scores = torch.einsum("bqhgd,bthd->bhgqt", qg, k).float() / math.sqrt(d)   # [B, n_kv, G, Q, T]
+    k, v = k.view(B, T, n_kv, d).transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)   # [B, n_kv, T, d]
     i = torch.arange(Q, device=q.device)
     if query_lens is None:
         q_pos = seq_lens[:, None] - Q + i                                        # [B, Q]
@@ -87,9 +91,9 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
         q_pos = seq_lens[:, None] - query_lens[:, None] + i
         q_pos = torch.minimum(q_pos, seq_lens[:, None] - 1)                      # padding: last real position
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
-    probs = scores.masked_fill(~visible[:, None, None], float("-inf")).softmax(dim=-1)
-    out = torch.einsum("bhgqt,bthd->bqhgd", probs.to(v.dtype), v)              # [B, Q, n_kv, G, d]
-    return out.reshape(B, Q, H, d)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None],
+                                         enable_gqa=True)                        # [B, H, Q, d]
+    return out.transpose(1, 2)
 
 
 @dataclass

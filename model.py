@@ -700,6 +700,12 @@ PRESETS = {
     "llama-3.1-8b": _llama3(hidden=4096, ffn=14336, layers=32, heads=32, head_dim=128, tied=False, rope_factor=8.0),
     # meta-llama/Llama-3.1-70B: 70,553,706,496 (141 GB in bf16: the meta device, or tensor parallelism)
     "llama-3.1-70b": _llama3(hidden=8192, ffn=28672, layers=80, heads=64, head_dim=128, tied=False, rope_factor=8.0),
+    # NOT a published model: SmolLM2's vocabulary (and tokenizer) on a 2-layer,
+    # 64-wide body. Its forward pass is nearly free, so an engine step on it is
+    # the engine's own work (bench.py's overhead experiment).
+    "smollm2-tiny": {**_llama3(hidden=64, ffn=128, layers=2, heads=4, head_dim=16, tied=True, rope_factor=8.0),
+                     "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 8192,
+                     "rope_theta": 100000.0, "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2},
     # NOT a published model: Llama 3's vocabulary and RoPE on a 2-layer, 64-wide
     # body, for fast CPU tests of the engine with ids beyond the tokenizer's vocabulary.
     "tiny": {**_llama3(hidden=64, ffn=128, layers=2, heads=4, head_dim=16, tied=False, rope_factor=8.0),

@@ -50,7 +50,7 @@ import torch
 
 from cache import BlockManager, KVCache, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
 from kernels import CompiledDecoder, StepInputs, choose_weight_layout
-from model import default_model_path, load_model
+from model import default_model_path, load_model, tokenizer_path
 from quantize import Int8KVCache, int8_kv_cache_bytes, quantize_model
 from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter, rejection_sample_batched
 from tokenizer import IncrementalDecoder, Tokenizer
@@ -914,7 +914,10 @@ class LLM:
         self.model, self.config = load_model(self.path, device=self.device, dtype=self.dtype)
         if quantization is not None:       # int8 weights: a quarter of fp32's bytes per step
             quantize_model(self.model, quantization)
-        self.tokenizer = Tokenizer.from_pretrained(self.path)
+        self.tokenizer = Tokenizer.from_pretrained(tokenizer_path(self.path))
+        if self.config.random_seed is not None:
+            print(f"nanoinfer: {self.path}: RANDOM weights (published shapes, seed {self.config.random_seed}): "
+                  "timings are real, the text is noise")
         scratch = 1 if compile else 0      # kernels.py: padded rows write into a block no sequence owns
         self.cache, num_blocks = make_kv_pool(self.config, self.dtype, self.device, block_size, kv_cache_bytes,
                                               kv_cache_dtype, scratch)
