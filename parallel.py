@@ -138,8 +138,8 @@ class Collectives:
         x = x.contiguous()
         out = x.new_empty(self.world_size * x.shape[0], *x.shape[1:])            # [N * rows, V/N]
         self._timed(x, lambda: _all_gather(out, x, group=self.group))
-        rows = x.shape[0]
-        return out.view(self.world_size, rows, -1).transpose(0, 1).reshape(rows, -1)   # [rows, V]
+        rows, cols = x.shape
+        return out.view(self.world_size, rows, cols).transpose(0, 1).reshape(rows, self.world_size * cols)  # [rows, V]
 
 
 # ----------------------------------------------------------------------------
@@ -462,6 +462,9 @@ def _place(obj, device, cache):
         return type(obj)(_place(x, device, cache) for x in obj)
     if type(obj) is dict:
         return {k: _place(v, device, cache) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not hasattr(obj, "cache"):
+        return dataclasses.replace(obj, **{f.name: _place(getattr(obj, f.name), device, cache)
+                                           for f in dataclasses.fields(obj) if f.init})
     if hasattr(obj, "cache") and hasattr(obj, "__dict__"):
         new = copy.copy(obj)
         for name, value in list(vars(new).items()):

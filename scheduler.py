@@ -51,6 +51,7 @@ import torch
 from cache import BlockManager, KVCache, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
 from kernels import CompiledDecoder, StepInputs, choose_weight_layout
 from model import default_model_path, load_model, tokenizer_path
+from parallel import TensorParallelError, TensorParallelGroup
 from quantize import Int8KVCache, int8_kv_cache_bytes, quantize_model
 from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter, rejection_sample_batched
 from tokenizer import IncrementalDecoder, Tokenizer
@@ -812,13 +813,17 @@ def make_drafter(speculative, k, max_num_batched_tokens, target, tokenizer, pool
 # Setting up an engine: the KV pool and the compiled path
 # ----------------------------------------------------------------------------
 
-def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cache_dtype, scratch: int):
+def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cache_dtype, scratch: int,
+                 allocate=None):
     """The KV pool: as many blocks as the byte budget allows (the lecture's formula).
 
     Sizing the pool is the central memory trade-off of serving: every byte
     given to the KV cache is a byte more of concurrent context. `scratch`
     extra blocks are kept out of the block manager's hands (kernels.py:
     padded rows of a compiled step write there). Returns (cache, usable blocks).
+    With tensor parallelism cfg is one rank's shard (its KV heads) and
+    allocate(num_blocks) makes every rank's pool: the same budget per device
+    holds N times the tokens.
     """
     if kv_cache_dtype not in (None, "int8"):
         raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
@@ -833,7 +838,8 @@ def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cac
     if num_blocks < 1 + scratch:
         raise ValueError(f"kv_cache_bytes={budget} is too small for {1 + scratch} block(s) of "
                          f"{block_size} tokens ({per_token * block_size} bytes each)")
-    cache = (Int8KVCache if int8_kv else KVCache)(cfg, num_blocks, block_size, device, dtype)
+    cache = allocate(num_blocks) if allocate else \
+        (Int8KVCache if int8_kv else KVCache)(cfg, num_blocks, block_size, device, dtype)
     value = f"(1 B + 4/{cfg.head_dim} B of scale)" if int8_kv else f"{torch.finfo(dtype).bits // 8} B"
     print(f"nanoinfer: KV cache {num_blocks - scratch} blocks x {block_size} tokens = "
           f"{(num_blocks - scratch) * block_size} tokens; {per_token} B/token = 2*{cfg.n_layers} layers*"
@@ -900,27 +906,37 @@ class LLM:
       compile=True           pure decode steps through torch.compile with batch
                              buckets (kernels.py; CUDA graphs on a GPU)
       speculative="ngram" | draft model directory, num_speculative_tokens=k
+      tensor_parallel_size=N every layer split over N devices (parallel.py):
+                             N-1 worker processes; llm.close() stops them
     """
 
     def __init__(self, path=None, device="auto", dtype="auto", block_size=16, kv_cache_bytes=None,
                  max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True,
                  quantization=None, kv_cache_dtype=None, compile=False, speculative=None,
-                 num_speculative_tokens=4):
+                 num_speculative_tokens=4, tensor_parallel_size=1):
         self.device, self.dtype = resolve_device_dtype(device, dtype, quantization)
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.path = path or default_model_path()
-        self.model, self.config = load_model(self.path, device=self.device, dtype=self.dtype)
-        if quantization is not None:       # int8 weights: a quarter of fp32's bytes per step
+        self.tp = None                     # parallel.py: this process is rank 0 of N
+        if tensor_parallel_size != 1:
+            if compile:
+                raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
+            self.tp = TensorParallelGroup(self.path, tensor_parallel_size, self.device, self.dtype, quantization)
+            self.model, self.config = self.tp.model, self.tp.full_config
+        else:
+            self.model, self.config = load_model(self.path, device=self.device, dtype=self.dtype)
+        if quantization is not None and self.tp is None:   # int8 weights: a quarter of fp32's bytes per step
             quantize_model(self.model, quantization)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_path(self.path))
         if self.config.random_seed is not None:
             print(f"nanoinfer: {self.path}: RANDOM weights (published shapes, seed {self.config.random_seed}): "
                   "timings are real, the text is noise")
         scratch = 1 if compile else 0      # kernels.py: padded rows write into a block no sequence owns
-        self.cache, num_blocks = make_kv_pool(self.config, self.dtype, self.device, block_size, kv_cache_bytes,
-                                              kv_cache_dtype, scratch)
+        self.cache, num_blocks = make_kv_pool(
+            self.tp.config if self.tp else self.config, self.dtype, self.device, block_size, kv_cache_bytes,
+            kv_cache_dtype, scratch, self.tp and (lambda n: self.tp.allocate_cache(n, block_size, kv_cache_dtype)))
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.inputs = StepInputs(self.block_manager, self.device)
@@ -1015,6 +1031,8 @@ class LLM:
             self.block_manager.pending_copies.clear()
             for seq in [it.seq for it in batch] if batch else list(self.scheduler.running):
                 fail(seq.request, f"engine step failed: {e!r}")
+            if isinstance(e, TensorParallelError):    # a lost worker: nothing can run any more
+                raise
             return [r.output() for r in failed.values()]
         return self._append_all(batch, asks, new, fail, failed)   # 4. append, stop, report
 
@@ -1047,6 +1065,7 @@ class LLM:
 
     def _forward(self, batch: list[ScheduledSeq], logits_rows: list[int]):
         """One forward pass over the flat batch of every scheduled token."""
+        copies = list(self.block_manager.pending_copies)
         apply_pending_copies(self.cache, self.block_manager)     # copy-on-write before anyone writes
         N = sum(item.count for item in batch)
         all_rows = logits_rows == list(range(N))
@@ -1056,7 +1075,14 @@ class LLM:
             logits = self.decoder(hb.input_ids, hb.positions, hb.slot_mapping, self.inputs.tables[hb.rows])
             return logits if all_rows else logits[torch.as_tensor(logits_rows, device=logits.device)]
         input_ids, positions, ctx = self.inputs.device(hb, self.cache)
+        if self.tp is not None:            # every rank runs its slice; rank 0 gets the gathered logits
+            return self.tp.forward(input_ids, positions, ctx, copies=copies)
         return self.model(input_ids, positions, ctx)             # [len(logits_rows), V]
+
+    def close(self):
+        """Stop the tensor-parallel workers (also done at interpreter exit)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _append_all(self, batch, asks, new, fail, failed) -> list[RequestOutput]:
         """Append every sequence's new tokens; an error in one (its text, its

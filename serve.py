@@ -1189,6 +1189,8 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--speculative", default=None, help="'ngram' or a draft model directory")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="split every layer over N devices (N-1 worker processes, parallel.py)")
     srv = ap.add_argument_group("serving limits")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                      "$NANOINFER_API_KEY, which keeps the key out of the process list)")
@@ -1215,9 +1217,11 @@ def main(argv=None):
               kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, compile=args.compile,
-              speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+              speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+              tensor_parallel_size=args.tensor_parallel_size)
     if args.prompt is not None:
         one_shot(llm, args.prompt, args.chat, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+        llm.close()
         return
     api_key = args.api_key or os.environ.get("NANOINFER_API_KEY") or None
     server = make_server(llm, args.host, args.port, args.max_waiting, api_key=api_key,
@@ -1256,6 +1260,7 @@ def serve_until_signal(server: Server, drain_seconds: float):
     server.shutdown()
     server.server_close()
     server.engine.stop()
+    server.engine.llm.close()          # after the engine thread: tensor-parallel workers stop last
     print(f"nanoinfer: stopped ({report['in_flight']} in flight, {report['aborted']} aborted); "
           f"{report['kv_blocks_free']}/{report['kv_blocks_total']} KV blocks free", flush=True)
 

@@ -330,6 +330,36 @@ def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real
     assert not multiprocessing.active_children() and not dist.is_initialized()
 
 
+# ------------------------------------------------------------ through the engine
+
+def test_engine_n2_equals_n1_batched_chunked_preempted(tiny_dir):
+    """LLM(tensor_parallel_size=2): the same greedy tokens as N = 1 with a
+    batch, chunked prefills, a fork (n = 2) and preemptions; a pool sized by
+    the same byte budget holds twice the tokens; close() leaves no worker."""
+    close_groups()
+    from scheduler import LLM, SamplingParams
+    prompts = [list(range(5, 5 + 9 * i)) for i in range(1, 6)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 4 + [SamplingParams(max_tokens=6, n=2, seed=1,
+                                                                                    temperature=1.0)]
+    kw = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=6)
+    budget = 24 * 4 * 512                         # 24 blocks at N = 1 (512 B per token)
+    ref = LLM(tiny_dir, kv_cache_bytes=budget, **kw)
+    want = [[c.token_ids for c in o.outputs] for o in ref.generate(prompts, params)]
+    assert ref.scheduler.num_preemptions >= 1, "the pool was meant to force preemption"
+    llm = LLM(tiny_dir, kv_cache_bytes=budget // 2, tensor_parallel_size=2, **kw)   # 24 blocks again
+    try:
+        assert llm.block_manager.num_blocks == ref.block_manager.num_blocks, "half the bytes per token per rank"
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+        assert got == want, "tensor parallelism changed the engine's tokens"
+        assert llm.scheduler.num_preemptions >= 1
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+        pids = llm.tp.pids
+    finally:
+        llm.close()
+    assert not any(alive(p) for p in pids), "LLM.close() must leave no worker process"
+    assert not dist.is_initialized()
+
+
 # ------------------------------------------------------------ the lecture's arithmetic
 
 LLAMA_8B = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
