@@ -418,8 +418,11 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} has no blocks (freed twice?)")
         # Tail first, so the free list evicts a sequence's last blocks before its
         # first ones (a later request is likelier to share the start of a prompt).
-        for block in reversed(self.tables.pop(seq_id)):
+        table = self.tables.pop(seq_id)
+        for block in reversed(table):
             self._release(block)
+        if self.pending_copies:       # a copy into a block given back must never run later
+            self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in table]
         self.hashed.pop(seq_id, None)
         self._touch(seq_id)
 

@@ -269,6 +269,21 @@ def test_copy_on_write_copies_once_and_keeps_the_data(real_model):
     assert bm.tables[1][0] == bm.tables[2][0] == bm.tables[3][0], "full blocks stay shared"
 
 
+def test_freeing_a_sequence_drops_its_pending_copies():
+    """A copy-on-write copy into a block that was given back (the request was
+    aborted before the step ran) must never run: the block may hold someone
+    else's data by then."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate(1, list(range(6)))
+    bm.append_slots(1, 0, 6)
+    bm.fork(1, 2)
+    bm.append_slots(2, 6, 1)                  # the shared partial block is copied for seq 2
+    assert len(bm.pending_copies) == 1
+    bm.free(2)
+    assert bm.pending_copies == [], "the copy's destination went back to the pool"
+    bm.check_invariants()
+
+
 def test_truncate_frees_trailing_blocks_and_uncaches_them():
     bm = BlockManager(num_blocks=8, block_size=4)
     toks = list(range(13))
