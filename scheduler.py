@@ -1089,6 +1089,9 @@ class LLM:
         stop strings, non-finite logits) fails only its request."""
         for item in batch:
             item.seq.num_computed = item.start + item.count
+            if not item.seq.draft_tokens:          # register full prompt blocks now: a request that
+                self.block_manager.cache_full_blocks(   # ends this step must still leave its prefix
+                    item.seq.seq_id, item.seq.token_ids, item.seq.num_computed)
         for (seq, ask), (tokens, logprobs, finite) in zip(asks, new):
             try:
                 if seq.status != RUNNING:

@@ -160,6 +160,20 @@ def test_prefills_that_fill_the_pool_do_not_deadlock(tiny_path):
     assert_no_leak(llm)
 
 
+def test_prefix_of_a_one_token_request_and_a_fully_cached_prompt(tiny_path):
+    """A request that finishes in its prefill step still leaves its full blocks
+    in the prefix cache; a prompt entirely in the cache recomputes only its
+    last block (its last token needs logits) and gives the dense tokens."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    prompt = list(range(100, 164))                                # 64 tokens = 4 full blocks
+    first = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
+    assert first.metrics.cached_tokens == 0
+    again = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert again.metrics.cached_tokens == 48, f"cached {again.metrics.cached_tokens}: expected 3 of 4 blocks"
+    assert again.token_ids == dense_generate(llm.model, prompt, 8)
+    assert_no_leak(llm)
+
+
 # ------------------------------------------------------------- fault isolation
 
 HEALTHY = ["healthy one", "healthy two two", "healthy three three three"]
