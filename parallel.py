@@ -691,6 +691,9 @@ class TensorParallelGroup:
             return "see the other ranks' logs (torchrun)"
         states = []
         for rank, p in enumerate(self.procs, start=1):
+            if p.pid is None:
+                states.append(f"rank {rank} never started")
+                continue
             p.join(timeout=0.2)             # a dying worker: give it a moment to be reaped
             code = p.exitcode
             if code is None:
@@ -729,6 +732,8 @@ class TensorParallelGroup:
                 pass                        # a worker died meanwhile: the loop below ends it
         told = self.commands is not None and not self._broken   # else they may be stuck, or still loading
         for p in self.procs:
+            if p.pid is None:               # never started (start() failed earlier): nothing to stop
+                continue
             p.join(timeout=10 if told else 0)
             if p.is_alive():
                 p.terminate()
