@@ -27,23 +27,37 @@ This file removes them in that order:
   2. StepInputs: a step's inputs built with numpy from arrays kept across
      steps (each sequence's block table is copied only when it changes), sent
      to the device in ONE copy from pinned memory.
-  3. CompiledDecoder: torch.compile of the pure-decode step over padded batch
-     buckets; with mode="reduce-overhead" on CUDA it replays CUDA graphs.
-     That mode is the one CUDA-specific line here; everything else runs, and
-     is tested, on CPU. Measured on an H100 (README): the eager decode step of
-     SmolLM2-135M took 38 ms at batch 1, all of it host overhead; compiled, 3.3 ms.
+  3. paged_attention_in_place: the compiled path's attention. The eager one
+     copies every sequence's blocks into a padded tensor for SDPA (each
+     cached byte written and read again, per layer per step); written as
+     products and sums instead, the gather fuses into inductor's reduction
+     kernels, which read the paged cache where it lies: each byte once.
+  4. CompiledDecoder: decode and verification steps (Q = 1, or k + 1 tokens
+     per sequence) through torch.compile. Compiled ONCE: one transformer
+     block (all layers run the same graph) and the LM head, with batch,
+     query length and table width symbolic; Transformer.forward's own code
+     drives them. On CUDA each padded bucket is recorded as one CUDA graph,
+     so a step is one input copy and one replay. Measured on this project's
+     2-core CPU: compiling the default model went from 287 s (README; 383 s
+     under load) to about 15 s, or 4 s from a warm inductor cache
+     (compiling the whole 30-block step took 86 s, twice: batch 1 was its
+     own graph, and every bucket ran once). On an H100 the whole-step
+     compile with CUDA graphs took 3.3 ms per batch-1 step against 38 ms
+     eager (README); the present design is not measured on a GPU yet.
 
-A CUDA graph replays fixed shapes, so the engine pads each decode batch to a
-bucket of sizes (1, 2, 4, 8, 16, then multiples of 16) and each block table
-to a power-of-two width: one recorded graph per (batch, width) bucket, all
-recorded at start-up (warm-up), never in the middle of serving. Padded rows
-are real rows of the graph: they write their k, v into a scratch block that
-no sequence owns, so they never touch a real sequence's cache.
+Why buckets: a CUDA graph replays fixed shapes and addresses, so the engine
+pads each step to a bucket of batch sizes (1, 2, 4, 8, 16, then multiples of
+16), block-table widths (powers of two) and query lengths (1, k + 1); every
+bucket is recorded at start-up (warm-up), never in the middle of serving.
+Padded rows are real rows of the graph: they write their k, v into a
+scratch block that no sequence owns, so they never touch a real sequence's
+cache. On CPU there is nothing to record; the same padded code runs.
 
 Place in the data flow (LLM.step, scheduler.py): after Scheduler.schedule,
 StepInputs turns the scheduled work into (input_ids, positions, StepContext);
 Transformer.forward(..., ctx) calls ctx.attend(layer, q, k, v) in every
-layer. A pure decode step goes through CompiledDecoder when LLM(compile=True).
+layer. With LLM(compile=True), a step whose sequences each feed at most k + 1
+tokens (decodes, verifications) goes through CompiledDecoder instead.
 """
 from __future__ import annotations
 
@@ -281,10 +295,6 @@ class HostBatch:
     seq_lens: np.ndarray       # [B] tokens in cache after this step
     query_lens: np.ndarray     # [B] tokens fed this step
     logits_rows: np.ndarray | None   # [R] rows that need logits (None: all)
-
-    @property
-    def is_decode(self) -> bool:
-        return bool((self.query_lens == 1).all())
 
 
 class StepInputs:
@@ -536,10 +546,9 @@ class CompiledModel:
     LM head replaced by a call of the ONE compiled graph for them.
 
     Regional compilation: the decoder is 30 identical blocks, and compiling
-    the whole step traced, lowered and generated code for all 30 (86 s here
-    for the default model, measured; then 120 s more for batch sizes > 1).
-    Compiling one block and reusing it costs one block's compilation whatever
-    the depth. Transformer.forward's own code runs the step (embedding, RoPE
+    the whole step traced, lowered and generated code for all 30 (the
+    figures are in the file's docstring). Compiling one block and reusing it
+    costs one block's compilation whatever the depth. Transformer.forward's own code runs the step (embedding, RoPE
     angles, final norm, the loop over blocks), so the compiled path cannot
     drift from model.py. What it gives up: fusion across block boundaries
     (a residual add with the next norm), and a guard check per block per
@@ -709,19 +718,21 @@ class CompiledDecoder:
     @torch.inference_mode()                   # as LLM.step runs (grad mode is guarded on)
     def warmup(self) -> float:
         """Compile (and on CUDA record) every bucket now, on scratch rows only.
-        Called again (serve.py does, from its engine thread), it only replays.
-        Returns seconds."""
+        Called again (serve.py does, from its engine thread), it only replays
+        the recorded graphs. Returns seconds."""
         t0 = time.perf_counter()
-        empty = np.zeros(0, dtype=np.int64)
-        for key in self.warmup_buckets():
-            self._load(key, empty, empty, empty, np.zeros((0, 1), np.int64), empty)
-            if self.warm:
-                self._run(key)
-            elif self.cuda:
-                self._record(key)
-            else:
-                self._forward(key)
+        if self.warm:
+            for graph in self.graphs.values():
+                graph.replay()
+        else:
+            empty = np.zeros(0, dtype=np.int64)
+            for key in self.warmup_buckets():
+                self._load(key, empty, empty, empty, np.zeros((0, 1), np.int64), empty)
+                if self.cuda:
+                    self._record(key)
+                else:
+                    self._forward(key)
+            self.warm = True
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        self.warm = True
         return time.perf_counter() - t0
