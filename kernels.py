@@ -38,10 +38,11 @@ This file removes them in that order:
      query length and table width symbolic; Transformer.forward's own code
      drives them. On CUDA each padded bucket is recorded as one CUDA graph,
      so a step is one input copy and one replay. Measured on this project's
-     2-core CPU: compiling the default model went from 287 s (README; 383 s
-     under load) to about 15 s, or 4 s from a warm inductor cache
-     (compiling the whole 30-block step took 86 s, twice: batch 1 was its
-     own graph, and every bucket ran once). On an H100 the whole-step
+     2-core CPU: LLM(compile=True) of the default model started in 287 s
+     (README; 375-383 s on a loaded machine), now in 15 s with one thread
+     (20-27 s with two, loaded), 4 s from a warm inductor cache. Before, the
+     whole 30-block step was compiled twice (86 s, then 120 s: batch 1 was
+     a graph of its own) and each of 72 buckets ran once (~180 s). On an H100 the whole-step
      compile with CUDA graphs took 3.3 ms per batch-1 step against 38 ms
      eager (README); the present design is not measured on a GPU yet.
 
