@@ -70,16 +70,24 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dim: int = -1, dtype=t
     return q.to(dtype) * scale.unsqueeze(dim).to(dtype)
 
 
+FUSED_ROWS = 8   # compiled int8 products of up to this many rows run as one fused reduction
+
+
 class Int8Linear(nn.Module):
     """A drop-in nn.Linear with an int8 weight [out, in] and a scale per output row.
 
     forward computes (x @ q^T) * scale (+ bias): the same function as F.linear
-    on the dequantized weight. On CUDA, torch.compile fuses the int8->float
-    conversion into the matmul's weight read. On CPU with bfloat16
-    activations, torch._weight_int8pack_mm is a kernel that reads the int8
-    weight directly (measured here: the 49152x576 LM head at batch 1 took
-    2.6 ms against 10 ms for float32 F.linear); with float32 activations the
-    same kernel is slower than float, so float32 takes the generic path.
+    on the dequantized weight, in one of three ways:
+      * CPU, bfloat16 activations: torch._weight_int8pack_mm, a kernel that
+        reads the int8 weight directly (measured here: the 49152x576 LM head
+        at batch 1 took 2.6 ms against 10 ms for float32 F.linear);
+      * under torch.compile, at most FUSED_ROWS rows (decode at small batch,
+        the case int8 is for): an elementwise product and a sum that the
+        compiler fuses with the int8 -> float conversion (see _fused);
+      * otherwise F.linear on the converted weight. Eagerly the conversion is a
+        kernel of its own that writes a float copy of the weight and the
+        matmul reads it back: more bytes than a bf16 weight, so int8 is
+        slower than bf16 there (README: the eager GPU figures).
     """
 
     def __init__(self, linear: nn.Linear):
@@ -97,9 +105,29 @@ class Int8Linear(nn.Module):
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
             y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scale.to(x.dtype))
             y = y.view(*x.shape[:-1], self.out_features)
+        elif torch.compiler.is_compiling() and x.numel() <= FUSED_ROWS * self.in_features:
+            y = self._fused(x)
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _fused(self, x):
+        """gpt-fast's int8 decode: a product the compiler turns into ONE kernel.
+
+        Written as elementwise multiply + sum, the int8 -> float conversion
+        is part of the reduction's load: inductor generates one kernel that
+        reads each int8 byte once and converts it in registers (the
+        converted weight never exists), so the step reads a quarter of
+        float32's bytes and half of bf16's. Output laid out [out, rows]: the
+        rows that share a weight row are neighbours in the kernel, so the row
+        is loaded once for all of them. Only for a few rows: this runs on
+        plain arithmetic units (no tensor cores / BLAS blocking), so many
+        rows make it compute-bound; a bigger batch takes the matmul.
+        Eagerly it would materialize [out, rows, in]: compiled code only.
+        """
+        rows = x.reshape(-1, self.in_features)                                       # [R, in]
+        y = (self.weight.to(x.dtype)[:, None, :] * rows[None, :, :]).sum(-1)          # [out, R]
+        return (y.t() * self.scale.to(x.dtype)).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

@@ -847,14 +847,17 @@ def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cac
     return cache, num_blocks - scratch
 
 
-def make_compiled_decoder(model, cache, max_num_seqs: int, max_len: int, block_size: int, scratch_block: int):
-    """compile=True: pure decode steps through torch.compile (kernels.py), every
-    batch-size bucket compiled now rather than in the middle of serving."""
+def make_compiled_decoder(model, cache, max_num_seqs: int, max_len: int, block_size: int, scratch_block: int,
+                          max_query_len: int = 1):
+    """compile=True: decode steps (and, with speculation, verification steps of
+    up to max_query_len tokens per sequence) through torch.compile
+    (kernels.py), every bucket compiled now rather than in the middle of serving."""
     layout = choose_weight_layout(model)
-    decoder = CompiledDecoder(model, cache, max_num_seqs, math.ceil(max_len / block_size), scratch_block)
+    decoder = CompiledDecoder(model, cache, max_num_seqs, math.ceil(max_len / block_size), scratch_block,
+                              query_sizes=(1, max_query_len))
     seconds = decoder.warmup()
-    print(f"nanoinfer: compiled decode for batch buckets {decoder.batch_sizes} and table widths "
-          f"{decoder.widths} in {seconds:.1f} s (weight layout: {layout})")
+    print(f"nanoinfer: compiled steps of {decoder.query_sizes} tokens per sequence for batch buckets "
+          f"{decoder.batch_sizes} and table widths {decoder.widths} in {seconds:.1f} s (weight layout: {layout})")
     return decoder, seconds, layout
 
 
@@ -945,7 +948,8 @@ class LLM:
         self.decoder, self.compile_seconds, self.weight_layout = None, 0.0, "default"
         if compile:
             self.decoder, self.compile_seconds, self.weight_layout = make_compiled_decoder(
-                self.model, self.cache, max_num_seqs, self.max_len, block_size, scratch_block=num_blocks)
+                self.model, self.cache, max_num_seqs, self.max_len, block_size, scratch_block=num_blocks,
+                max_query_len=num_speculative_tokens + 1 if speculative else 1)   # verify steps: k + 1 tokens
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
         self._rng = random.Random(0)       # seeds the unseeded requests (reproducible runs)
@@ -1071,9 +1075,9 @@ class LLM:
         all_rows = logits_rows == list(range(N))
         hb = self.inputs.host([(it.seq.seq_id, it.tokens, it.start) for it in batch],
                               None if all_rows else logits_rows)
-        if self.decoder is not None and hb.is_decode and len(batch) <= self.decoder.batch_sizes[-1]:
-            logits = self.decoder(hb.input_ids, hb.positions, hb.slot_mapping, self.inputs.tables[hb.rows])
-            return logits if all_rows else logits[torch.as_tensor(logits_rows, device=logits.device)]
+        if self.decoder is not None and self.decoder.fits(hb.query_lens):   # decodes, verifications
+            return self.decoder(hb.input_ids, hb.positions, hb.slot_mapping, self.inputs.tables[hb.rows],
+                                hb.query_lens, None if all_rows else logits_rows)
         input_ids, positions, ctx = self.inputs.device(hb, self.cache)
         if self.tp is not None:            # every rank runs its slice; rank 0 gets the gathered logits
             return self.tp.forward(input_ids, positions, ctx, copies=copies)

@@ -60,6 +60,28 @@ def test_int8_linear_equals_linear_on_dequantized_weight():
     torch.testing.assert_close(yb.float(), ref, atol=0.05, rtol=0.02)
 
 
+def test_int8_linear_compiled_equals_linear_on_dequantized_weight(tmp_path, monkeypatch):
+    """Under torch.compile, up to FUSED_ROWS rows take the fused product
+    (int8 -> float inside the reduction), more rows the matmul: one graph
+    each, both computing F.linear on the dequantized weight (held to float64
+    arithmetic). tests/test_kernels.py checks the fused one is what a
+    compiled small-batch step runs."""
+    import quantize
+    from kernels import dynamic, size_oblivious
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    ql = Int8Linear(nn.Linear(96, 40, bias=True))
+    compiled = torch.compile(lambda m, x: m(x), fullgraph=True)
+    graphs = counters["stats"]["unique_graphs"]
+    for rows in (1, quantize.FUSED_ROWS, quantize.FUSED_ROWS + 5):
+        x = torch.randn(rows, 96)
+        ref = F.linear(x.double(), dequantize_int8(ql.weight, ql.scale).double(), ql.bias.double()).float()
+        with size_oblivious():                          # as kernels.py compiles: any row count, 1 too
+            torch.testing.assert_close(compiled(ql, dynamic(x, 0)), ref, atol=1e-5, rtol=1e-5, msg=f"{rows} rows")
+    assert counters["stats"]["unique_graphs"] - graphs == 2, "one graph up to FUSED_ROWS rows, one beyond"
+
+
 def test_quantize_model_swaps_every_linear_and_quarters_the_bytes():
     model = tiny_model(seed=1, tie_embeddings=False)
     fp32_bytes = decode_weight_bytes(model)
