@@ -15,6 +15,9 @@ from conftest import save_checkpoint, tiny_model
 
 import bench
 
+# The results fixture runs every experiment through the whole engine.
+pytestmark = pytest.mark.needs("engine", "model", "sampler", "ngram-drafter", "int8", "paged-attention", "roofline")
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
@@ -45,6 +48,7 @@ def test_meta_and_every_experiment_present(results):
     assert meta["device"] and meta["torch"] and meta["date"] and meta["dtype"] and meta["quick"] is True
 
 
+@pytest.mark.assignment("roofline")
 def test_roofline(results):
     r = results["roofline"]
     for k in ("bandwidth_GBps", "matmul_TFLOPs", "weight_bytes", "kv_bytes_per_token", "decode_bound_ms",

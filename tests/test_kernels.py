@@ -37,6 +37,8 @@ def inductor_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("block_size,n_heads,n_kv,Q", [(1, 6, 2, 1), (4, 6, 6, 1), (16, 8, 2, 3), (4, 9, 3, 5)])
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes", "int8")
 def test_fast_decode_attention_equals_reference(block_size, n_heads, n_kv, Q):
     cfg = tiny_config(n_heads=n_heads, n_kv_heads=n_kv)
     rng = random.Random(block_size * 100 + n_heads + Q)
@@ -72,6 +74,8 @@ def test_fast_decode_attention_equals_reference(block_size, n_heads, n_kv, Q):
 
 
 @pytest.mark.parametrize("block_size,n_heads,n_kv,seed", [(1, 6, 2, 0), (4, 6, 6, 1), (16, 8, 2, 2), (4, 9, 3, 3)])
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes", "block-allocation")
 def test_mixed_step_equals_reference(block_size, n_heads, n_kv, seed):
     """A random mix of decodes, k+1 verifications and prefill chunks (some
     over a cached prefix) through StepInputs -> StepContext, against the
@@ -125,6 +129,7 @@ def test_buckets():
         bucket(5, [1, 2, 4])
 
 
+@pytest.mark.needs("model")
 def test_transposed_layout_computes_the_same_function():
     model = tiny_model(seed=3, attention_bias=True)
     ids, pos = torch.randint(0, 512, (9,)), torch.arange(9)
@@ -139,6 +144,8 @@ def test_transposed_layout_computes_the_same_function():
     torch.testing.assert_close(model(ids, pos), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("rmsnorm-rope", "paged-attention", "kv-cache-bytes")
 def test_padded_rows_touch_only_the_scratch_block():
     model = tiny_model(seed=4)
     cache = KVCache(model.config, 9, 4, "cpu", torch.float32)
@@ -180,6 +187,8 @@ def _run_staggered(llm, prompts, params):
     return [outs[i] for i in range(len(prompts))]
 
 
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("engine")
 def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     from torch._dynamo.utils import counters
     prompts = [[5, 6, 7], list(range(100, 130)), [42] * 5, list(range(7, 20)), [9, 8, 7, 6], [300, 301]]
@@ -195,6 +204,7 @@ def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+@pytest.mark.needs("decode-attention", "int8", "rmsnorm-rope", "kv-cache-bytes")
 def test_compiled_int8_bf16_step_matches_eager():
     """int8 weights with bf16 activations (the CPU int8 kernel) through the
     compiled step. bf16 is not bit-exact across fusion (inductor keeps fused
