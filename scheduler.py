@@ -347,7 +347,6 @@ class StopStrings:
 
     @staticmethod
     def _failure(s: str) -> list[int]:
-        # assignment: stop-strings
         f, k = [0] * len(s), 0
         for i in range(1, len(s)):
             while k and s[i] != s[k]:
@@ -355,7 +354,6 @@ class StopStrings:
             k += s[i] == s[k]
             f[i] = k
         return f
-        # end assignment
 
     def feed(self, text: str):
         """Advance over text. Returns (end, length) of the first stop string

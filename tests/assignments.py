@@ -115,8 +115,8 @@ ASSIGNMENTS = {
         "counter-based uniform noise from (key, position, stream)"),
     "stop-strings": Assignment(
         "6. continuous batching (scheduler.py): stop strings",
-        "Knuth-Morris-Pratt over streamed text: the failure table, feed returns (end, length) of the first "
-        "stop string completed, partial is the longest match still open"),
+        "Knuth-Morris-Pratt over streamed text with the given failure tables: feed returns (end, length) of "
+        "the first stop string completed (the longest of those ending there), partial the longest match still open"),
     "rejection-sampling": Assignment(
         "7. speculative decoding (speculative.py): the rejection rule",
         "accept draft i with probability min(1, q/p), resample the first rejection from normalize(max(q - p, 0)), "
@@ -134,15 +134,15 @@ ASSIGNMENTS = {
         "one padded, masked attention for a batch of sequences over their paged KV: one gather through the "
         "block tables, a position mask, GQA without copying k or v"),
     "tensor-parallel": Assignment(
-        "tensor parallelism (parallel.py)",
+        "10. tensor parallelism (parallel.py)",
         "column-parallel keeps rank r's output rows, row-parallel its input columns and all-reduces before "
         "adding the bias once; the vocab-parallel embedding zeroes other ranks' ids and all-reduces"),
     "sse-stream": Assignment(
-        "10. serving (serve.py): streaming",
+        "11. serving (serve.py): streaming",
         "server-sent events: a 200 text/event-stream response, one data: chunk per delta (chat names the "
         "role first), a last chunk with usage, then data: [DONE]"),
     "roofline": Assignment(
-        "3 and 11. the roofline, measured (bench.py)",
+        "3 and 12. the roofline, measured (bench.py)",
         "FLOPs per token: 2 per weight of every matmul (q, k, v, o, gate, up, down, the LM head) plus "
         "attention's QK^T and PV over the context"),
 }
@@ -464,18 +464,22 @@ def run_suite(copy: str, pytest_args: list[str], timeout: float) -> tuple[dict |
         return json.load(f), seconds, log
 
 
+def short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def judge(results: dict, name: str | None) -> tuple[list[str], dict]:
     """Problems of a run that blanked `name` alone (None: nothing blanked), and counts."""
     problems, counts = [], {"own": 0, "passed": 0, "skipped": 0, "blocked": 0, "undeclared": 0}
     for nodeid, r in results.items():
-        status, by = r["status"], set(r["by"])
+        status, by, nodeid = r["status"], set(r["by"]), short(nodeid)
         if status == "collected":
             problems.append(f"{nodeid}: collected but never ran")
         elif name is not None and name in r["assignments"]:
             counts["own"] += 1
             if not (status == "todo" and name in by):
                 problems.append(f"{nodeid}: {status}, but as a test of {name} it must fail with its "
-                                f"NotImplementedError{': ' + r['message'] if r['message'] else ''}")
+                                f"NotImplementedError{': ' + short(r['message']) if r['message'] else ''}")
         elif status in ("passed", "skipped"):
             counts[status] += 1
         elif status == "blocked" and by == {name}:
@@ -483,7 +487,7 @@ def judge(results: dict, name: str | None) -> tuple[list[str], dict]:
             counts["undeclared"] += not r["declared"]
         else:
             problems.append(f"{nodeid}: {status}{' by ' + ', '.join(sorted(by)) if by else ''}"
-                            f"{': ' + r['message'] if r['message'] else ''}")
+                            f"{': ' + short(r['message']) if r['message'] else ''}")
     if name is not None and not counts["own"]:
         problems.append(f"no test of {name} ran: mark its tests @pytest.mark.assignment({name!r}) "
                         "(and include them in the selection)")

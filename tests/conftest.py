@@ -120,6 +120,21 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     UNFINISHED.update(assignments.unfinished(ROOT))
+    _print_request_failures()
+
+
+def _print_request_failures():
+    """The engine fails a request alone: its output gets finish_reason "error"
+    and the message, and the test sees only a wrong output. Print the message
+    too, so that a NotImplementedError behind it shows in the test's captured
+    output (for the plugin, and for the student reading the failure)."""
+    import scheduler
+    fail = scheduler.LLM._fail
+
+    def _fail(self, req, message):
+        print(f"nanoinfer: request {req.request_id} failed: {message}", file=sys.stderr)
+        return fail(self, req, message)
+    scheduler.LLM._fail = _fail
 
 
 def _marked(item, marker: str) -> list[str]:

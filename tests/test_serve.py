@@ -45,8 +45,9 @@ from serve import exposure_warning, make_server, one_shot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every test here serves an engine: LLM() sizes its KV pool first.
-pytestmark = pytest.mark.needs("kv-cache-bytes")
+# Every test here talks to an engine thread (LLM() sizes its KV pool first): an
+# unfinished engine assignment can stop it, and then nothing is answered.
+pytestmark = pytest.mark.needs("engine")
 
 
 @contextlib.contextmanager
@@ -479,6 +480,7 @@ def test_request_token_cap_and_n_beyond_the_batch(small_llm):
         assert wait_all_free(small_llm)
 
 
+@pytest.mark.needs("engine", "sampler", "copy-on-write", "sse-stream")
 def test_default_request_token_cap_is_16_contexts(server):
     llm, n = server.engine.llm, SamplingParams.LIMITS["n"]
     per_sample = 16 * llm.max_len // n
@@ -717,7 +719,7 @@ def test_engine_step_failure_fails_its_requests_and_serving_goes_on(server, offl
     assert status == 200 and out["choices"][0]["text"] == ref, "later requests are not served normally"
 
 
-@pytest.mark.needs("engine")
+@pytest.mark.needs("engine", "sse-stream")
 def test_a_request_the_engine_fails_alone_gets_an_error_and_others_go_on(server, offline, monkeypatch):
     """The engine finishes one request with finish_reason "error" (here: its
     text cannot be processed); its client gets an error, a stream beside it
@@ -794,7 +796,7 @@ def test_drain_finishes_in_flight_requests_and_aborts_the_rest(small_llm):
         assert wait_all_free(small_llm)
 
 
-@pytest.mark.needs("engine")
+@pytest.mark.needs("engine", "sse-stream")
 def test_sigterm_drains_and_exits_0(tiny_path):
     env = {**os.environ, "NANOINFER_API_KEY": "k", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "serve.py", "--model", tiny_path, "--port", "0", "--device", "cpu",
