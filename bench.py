@@ -295,11 +295,13 @@ def decode_step_seconds(b: Bench, llm, batch: int, context: int, steps: int) -> 
 
 def model_flops_per_token(cfg, context: int) -> float:
     """2 FLOPs per weight of every matmul, plus attention's QK^T and PV over the context."""
+    # assignment: roofline
     d, h, kv, hd, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     # q, k, v, o projections + gate, up, down (each 2 * in * out), then attention:
     # QK^T and PV are each 2 * H * head_dim FLOPs per cached token.
     per_layer = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f) + 4 * h * hd * context
     return cfg.n_layers * per_layer + 2 * d * cfg.vocab_size
+    # end assignment
 
 
 @torch.inference_mode()

@@ -47,14 +47,18 @@ import torch
 
 def kv_cache_bytes(cfg, dtype, num_tokens: int = 1) -> int:
     """2 * layers * kv_heads * head_dim * bytes_per_value * tokens."""
+    # assignment: kv-cache-bytes
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8 * num_tokens
+    # end assignment
 
 
 def num_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: int) -> int:
     """How many blocks of `block_size` tokens fit in `budget_bytes`."""
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    # assignment: kv-cache-bytes
     return int(budget_bytes // (bytes_per_token * block_size))
+    # end assignment
 
 
 # ----------------------------------------------------------------------------
@@ -135,6 +139,7 @@ def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query
     see cached positions 0..p. Written as a loop over sequences for clarity;
     kernels.py has the vectorized decode version tested against this one.
     """
+    # assignment: paged-attention
     N, H, d = q.shape
     n_kv = cache.k.shape[-2]
     out = torch.empty_like(q)
@@ -151,6 +156,7 @@ def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query
         out[start:start + n_q] = o.reshape(n_q, H, d).to(q.dtype)
         start += n_q
     return out
+    # end assignment
 
 
 def apply_pending_copies(cache: KVCache, block_manager: "BlockManager"):
@@ -262,16 +268,20 @@ class BlockManager:
         """Pop the least recently used free block; forget any prefix it held."""
         if not self.free_blocks:
             raise RuntimeError("KV cache out of blocks (the scheduler should have checked)")
+        # assignment: block-allocation
         block, _ = self.free_blocks.popitem(last=False)
         self._forget(block)                         # evicted from the prefix cache
         self.ref_count[block] = 1
         return block
+        # end assignment
 
     def _release(self, block: int):
+        # assignment: block-allocation
         self.ref_count[block] -= 1
         assert self.ref_count[block] >= 0, f"block {block} freed more often than taken"
         if self.ref_count[block] == 0:
             self.free_blocks[block] = None          # most recently used end: evicted last
+        # end assignment
 
     def _key(self, parent_hash, tokens) -> int:
         return hash((parent_hash, tuple(tokens)))
@@ -293,6 +303,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} already has blocks")
         table = []
         if self.enable_prefix_caching:
+            # assignment: prefix-caching
             bs, parent = self.block_size, None
             for i in range((len(token_ids) - 1) // bs):
                 tokens = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -307,6 +318,7 @@ class BlockManager:
                 table.append(block)
                 self.prefix_hits += 1
                 parent = h
+            # end assignment
         self.tables[seq_id] = table
         self.hashed[seq_id] = (len(table), parent if table else None)   # hits are registered already
         self._touch(seq_id)
@@ -341,22 +353,28 @@ class BlockManager:
         first = start // bs
         for i in range(first, min(len(table), math.ceil((start + count) / bs))):
             if self.ref_count[table[i]] > 1:         # shared block about to be written
+                # assignment: copy-on-write
                 new = self._take_free()
                 self.pending_copies.append((table[i], new))
                 self._release(table[i])
                 table[i] = new
                 self._touch(seq_id)
+                # end assignment
+        # assignment: block-allocation
         if len(table) * bs < start + count:
             self._touch(seq_id)
         while len(table) * bs < start + count:
             table.append(self._take_free())
+        # end assignment
 
     def append_slots(self, seq_id: int, start: int, count: int) -> list[int]:
         """reserve(), then the slot of every new token: block_id * block_size + offset.
         (The engine's fast path computes the slots from its table arrays instead.)"""
         self.reserve(seq_id, start, count)
         table, bs = self.tables[seq_id], self.block_size
+        # assignment: block-allocation
         return [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+        # end assignment
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int):
         """After a step: register the sequence's blocks that are now full and
@@ -364,6 +382,7 @@ class BlockManager:
         Resumes after the blocks registered last time: O(new blocks) per call."""
         if not self.enable_prefix_caching:
             return
+        # assignment: prefix-caching
         table, bs = self.tables[seq_id], self.block_size
         done, parent = self.hashed.get(seq_id, (0, None))
         for i in range(done, num_computed // bs):
@@ -377,16 +396,19 @@ class BlockManager:
                 key = self.block_key[block]
             parent = key[0]
         self.hashed[seq_id] = (max(done, num_computed // bs), parent)
+        # end assignment
 
     def fork(self, parent_id: int, child_id: int):
         """The child shares every block of the parent; nothing is copied now."""
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has blocks")
+        # assignment: copy-on-write
         self.tables[child_id] = list(self.tables[parent_id])
         for b in self.tables[child_id]:
             self.ref_count[b] += 1
         self.hashed[child_id] = self.hashed.get(parent_id, (0, None))
         self._touch(child_id)
+        # end assignment
 
     def truncate(self, seq_id: int, num_tokens: int):
         """Keep only the blocks holding the first num_tokens tokens (speculative
@@ -416,6 +438,7 @@ class BlockManager:
         """Give back all of a sequence's blocks (they stay cached if full)."""
         if seq_id not in self.tables:
             raise ValueError(f"sequence {seq_id} has no blocks (freed twice?)")
+        # assignment: block-allocation
         # Tail first, so the free list evicts a sequence's last blocks before its
         # first ones (a later request is likelier to share the start of a prompt).
         table = self.tables.pop(seq_id)
@@ -425,6 +448,7 @@ class BlockManager:
             self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in table]
         self.hashed.pop(seq_id, None)
         self._touch(seq_id)
+        # end assignment
 
     def check_invariants(self):
         """Consistency of the bookkeeping; tests call this after every operation."""

@@ -98,6 +98,7 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
     mask, softmax and the weighted sum; enable_gqa: query head h reads KV head
     h // G, the grouping of the reference, without copying K, V per head).
     """
+    # assignment: decode-attention
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                  # [B, W, bs, n_kv, d]: one gather
     n_kv, T = k.shape[-2], block_tables.shape[1] * k.shape[2]
@@ -112,6 +113,7 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None],
                                          enable_gqa=True)                        # [B, H, Q, d]
     return out.transpose(1, 2)
+    # end assignment
 
 
 @dataclass

@@ -247,10 +247,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        # assignment: rmsnorm-rope
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+        # end assignment
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -263,6 +265,7 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling
     if s is not None:
+        # assignment: rmsnorm-rope
         factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
         old_ctx = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
@@ -271,6 +274,7 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
         inv_freq = torch.where(medium, blended, scaled)
+        # end assignment
     return inv_freq
 
 
@@ -282,8 +286,10 @@ def apply_rope(x, cos, sin):
     converter below undoes that). The point of RoPE: <rope(q, m), rope(k, n)>
     depends only on m - n, so attention sees relative positions.
     """
+    # assignment: rmsnorm-rope
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    # end assignment
 
 
 def dense_causal_attention(q, k, v):
@@ -293,6 +299,7 @@ def dense_causal_attention(q, k, v):
     viewed as n_kv groups of G = H // n_kv heads that share one K/V head:
     reshape q, never copy k/v (copying is what GQA exists to avoid).
     """
+    # assignment: gqa-attention
     N, H, d = q.shape
     n_kv = k.shape[1]
     qg = q.view(N, n_kv, H // n_kv, d)                               # [N, n_kv, G, d]
@@ -303,6 +310,7 @@ def dense_causal_attention(q, k, v):
     probs = scores.softmax(dim=-1)
     out = torch.einsum("hgqk,khd->qhgd", probs, v.float())           # [N, n_kv, G, d]
     return out.reshape(N, H, d).to(q.dtype)
+    # end assignment
 
 
 class Attention(nn.Module):

@@ -177,10 +177,12 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear, rank: int, world_size: int):
         super().__init__()
         _check_linear(linear)
+        # assignment: tensor-parallel
         for name in ("weight", "bias", "scale"):                 # W [out, in], b [out], scale [out]
             if getattr(linear, name, None) is not None:
                 _narrow_(linear, name, 0, rank, world_size)
         linear.out_features //= world_size
+        # end assignment
         self.linear = linear                                     # [out/N, in]
 
     def forward(self, x):                                        # [T, in] -> [T, out/N]
@@ -201,16 +203,20 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear, rank: int, world_size: int, comm: Collectives):
         super().__init__()
         _check_linear(linear)
+        # assignment: tensor-parallel
         _narrow_(linear, "weight", 1, rank, world_size)          # W [out, in/N]
         linear.in_features //= world_size
         bias = linear.bias
         linear.bias = None
         self.register_buffer("bias", None if bias is None else bias.detach())
+        # end assignment
         self.linear, self.comm = linear, comm
 
     def forward(self, x):                                        # [T, in/N]
+        # assignment: tensor-parallel
         y = self.comm.all_reduce(self.linear(x))                 # [T, out]: partial sums -> the sum
         return y if self.bias is None else y + self.bias
+        # end assignment
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -234,10 +240,12 @@ class VocabParallelEmbedding(nn.Module):
         return self.embed.weight
 
     def forward(self, ids):                                      # [T] -> [T, D]
+        # assignment: tensor-parallel
         mine = (ids >= self.start) & (ids < self.end)            # [T] ids this rank holds
         x = self.embed(torch.where(mine, ids - self.start, 0))   # others' ids read row 0 ...
         x = x.masked_fill(~mine[:, None], 0)                     # ... and are zeroed
         return self.comm.all_reduce(x)
+        # end assignment
 
 
 class VocabParallelHead(ColumnParallelLinear):

@@ -59,15 +59,19 @@ def quantize_int8(w: torch.Tensor, dim: int = -1):
     Returns q (int8, w's shape) and scale (float32, w's shape without `dim`).
     An all-zero slice gets scale 1 (q is 0 there anyway) so nothing divides by 0.
     """
+    # assignment: int8
     absmax = w.detach().abs().amax(dim=dim, keepdim=True).float()
     scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
     q = torch.round(w.float() / scale).clamp(-QMAX, QMAX).to(torch.int8)
     return q, scale.squeeze(dim)
+    # end assignment
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dim: int = -1, dtype=torch.float32):
     """The float tensor the int8 one stands for: q * scale (broadcast along `dim`)."""
+    # assignment: int8
     return q.to(dtype) * scale.unsqueeze(dim).to(dtype)
+    # end assignment
 
 
 FUSED_ROWS = 8   # compiled int8 products of up to this many rows run as one fused reduction
@@ -102,6 +106,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x):
+        # assignment: int8
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
             y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scale.to(x.dtype))
             y = y.view(*x.shape[:-1], self.out_features)
@@ -110,6 +115,7 @@ class Int8Linear(nn.Module):
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
         return y if self.bias is None else y + self.bias
+        # end assignment
 
     def _fused(self, x):
         """gpt-fast's int8 decode: a product the compiler turns into ONE kernel.

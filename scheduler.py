@@ -180,7 +180,9 @@ def sample_key(seed: int, index: int) -> int:
 def uniform(key: int, position: int, stream: int = DRAW) -> float:
     """u in [0, 1): the noise of output position `position` of a sample stream,
     the (position * 3 + stream)-th output of a SplitMix64 generator started at key."""
+    # assignment: sampler
     return (_mix64((key + (position * 3 + stream + 1) * GOLDEN) & MASK64) >> 11) * 2.0 ** -53
+    # end assignment
 
 
 def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
@@ -191,6 +193,7 @@ def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
     need filtering. Ties at a threshold are kept (a filter may keep a few
     more tokens than asked when their logits are exactly equal).
     """
+    # assignment: sampler
     R, V = logits.shape
     logits = logits / temperature[:, None]
     k_rows = [i for i, k in enumerate(top_k) if 0 < k < V]
@@ -211,6 +214,7 @@ def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
         n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True)             # >= 1: the top token stays
         logits[rows] = sub.masked_fill(sub < sorted_logits.gather(1, n_keep - 1), float("-inf"))
     return logits.softmax(dim=-1)
+    # end assignment
 
 
 def draw(probs, u):
@@ -219,9 +223,11 @@ def draw(probs, u):
     exceeds u * total. A token of probability 0 adds nothing to the cumulative
     sum, so it can never be chosen. float64: tail tokens of p ~ 1e-9 keep
     their chance next to a cumulative sum near 1."""
+    # assignment: sampler
     cdf = probs.double().cumsum(dim=-1)                                      # [R, V]
     x = (u.double() * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, x, right=True)[:, 0].clamp(max=probs.shape[1] - 1)
+    # end assignment
 
 
 @dataclass
@@ -352,6 +358,7 @@ class StopStrings:
     def feed(self, text: str):
         """Advance over text. Returns (end, length) of the first stop string
         completed in it (end is an index into text, exclusive), or None."""
+        # assignment: stop-strings
         for i, ch in enumerate(text):
             hit = 0
             for j, s in enumerate(self.stops):
@@ -365,11 +372,14 @@ class StopStrings:
             if hit:                   # several end here: the longest started first
                 return i + 1, hit
         return None
+        # end assignment
 
     @property
     def partial(self) -> int:
         """Trailing characters that may still turn into a stop string."""
+        # assignment: stop-strings
         return max(self.state)
+        # end assignment
 
 
 # ----------------------------------------------------------------------------
@@ -617,6 +627,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence):
         """Preemption by recompute: drop the cache, keep the tokens, requeue first."""
+        # assignment: scheduler-step
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
         for hook in self.release_hooks:
@@ -625,16 +636,20 @@ class Scheduler:
         seq.request.metrics.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        # end assignment
 
     def schedule(self) -> list[ScheduledSeq]:
+        # assignment: scheduler-step
         for _ in range(len(self.running) + 1):
             out = self._schedule_once()
             if out or not self.running:
                 return out
             self.preempt(self.running[-1])      # stuck: every running sequence waits for blocks
         return []
+        # end assignment
 
     def _schedule_once(self) -> list[ScheduledSeq]:
+        # assignment: scheduler-step
         # The token budget bounds the work of one forward pass: decode tokens are
         # cheap (memory-bound), prefill tokens are compute; chunking long prompts
         # keeps every step short so running sequences never stall behind a prompt.
@@ -691,6 +706,7 @@ class Scheduler:
             out.append(ScheduledSeq(seq, cached, count))
             budget -= count
         return out
+        # end assignment
 
     # Forking happens before the forward pass, after the parent's slots were
     # allocated: the children share exactly the blocks this step fills.

@@ -948,6 +948,7 @@ class Handler(JSONRequestHandler):
     def _respond_stream(self, rid, q, params, chat, head):
         # Streaming: server-sent events. The response has no length, so the
         # connection closes after "data: [DONE]".
+        # assignment: sse-stream
         obj_id, created, model, usage = head
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -992,6 +993,7 @@ class Handler(JSONRequestHandler):
             self._stream_error(e)                     # the status is sent, so the error is the last event
         except OSError:                               # the client left mid-stream, or stopped reading
             self.engine.abort(rid)                    # (send timeout): free its blocks
+        # end assignment
 
     def _stream_error(self, e: APIError):
         """The end of a stream that failed: an error event, then [DONE] (as vLLM does)."""

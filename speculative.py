@@ -50,6 +50,7 @@ def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) ->
     Randomness: k uniforms for the acceptance tests, then one draw from the
     final distribution (torch.multinomial), all from `generator`.
     """
+    # assignment: rejection-sampling
     k = len(draft_tokens)
     u = torch.rand(k, generator=generator, device=target_probs.device)
     out = []
@@ -65,6 +66,7 @@ def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) ->
         final = residual if residual.sum() > 0 else target_probs[i]
         return out + [int(torch.multinomial(final, 1, generator=generator))]
     return out + [int(torch.multinomial(target_probs[k], 1, generator=generator))]
+    # end assignment
 
 
 def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts, accept_u):
@@ -85,14 +87,17 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
     rows = torch.arange(B, device=target_probs.device)
     n_acc = torch.zeros(B, dtype=torch.long, device=target_probs.device)
     if K:
+        # assignment: rejection-sampling
         idx = draft_tokens.long().clamp(min=0)[..., None]                  # [B, K, 1]
         q = target_probs[:, :K].gather(-1, idx)[..., 0]                     # [B, K]: q(x_i)
         p = torch.ones_like(q) if draft_probs is None else draft_probs.gather(-1, idx)[..., 0]
         accept = torch.where(p > 0, accept_u < q / p.clamp(min=1e-30), q > 0)   # u < min(1, q/p)
         accept &= torch.arange(K, device=q.device)[None] < num_drafts[:, None]
         n_acc = accept.long().cumprod(dim=1).sum(dim=1)                     # accepted prefix [B]
+        # end assignment
     final = target_probs[rows, n_acc]                                        # [B, V]: q at the stop
     if K:
+        # assignment: rejection-sampling
         rejected = (n_acc < num_drafts)[:, None]                             # else: the bonus row, q itself
         at = n_acc.clamp(max=K - 1)
         if draft_probs is None:      # max(q - onehot(x), 0) = q with x's entry zeroed (q(x) <= 1)
@@ -102,6 +107,7 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
         # a residual with no mass means rejection had probability 0: keep q
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final)
         final = torch.where(rejected, residual, final)
+        # end assignment
     return n_acc, final
 
 
@@ -119,6 +125,7 @@ class NgramDrafter:
         self.n_max, self.n_min = n_max, n_min
 
     def propose_one(self, token_ids: list[int], k: int) -> list[int]:
+        # assignment: ngram-drafter
         L = len(token_ids)
         for n in range(self.n_max, self.n_min - 1, -1):      # longest match first
             if L <= n:
@@ -128,6 +135,7 @@ class NgramDrafter:
                 if token_ids[start:start + n] == suffix:
                     return token_ids[start + n:start + n + k]
         return []
+        # end assignment
 
     def propose(self, requests, sample_fn=None):
         """requests: (seq_id, token_ids, k) -> [(tokens, None)]."""

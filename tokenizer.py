@@ -150,6 +150,7 @@ class Tokenizer:
     def _bpe(self, piece: bytes) -> list[int]:
         """The BPE merge loop on one piece: start from single bytes and keep
         merging the adjacent pair whose concatenation has the lowest rank."""
+        # assignment: bpe
         parts = [piece[i:i + 1] for i in range(len(piece))]
         while len(parts) > 1:
             pairs = [(self.ranks.get(a + b), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
@@ -159,6 +160,7 @@ class Tokenizer:
             _, i = min(pairs)
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         return [self.ranks[p] for p in parts]
+        # end assignment
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's bytes; an id this vocabulary lacks gives PLACEHOLDER's bytes.

@@ -84,3 +84,134 @@ def tiny_path(tmp_path_factory):
     """A tiny random Llama with SmolLM2's vocabulary and tokenizer: the engine
     runs it in milliseconds per step."""
     return save_checkpoint(tiny_model(seed=0, vocab_size=49152, max_seq_len=2048), tmp_path_factory.mktemp("tiny"))
+
+
+# ----------------------------------------------------------------------------
+# The assignments plugin (tests/assignments.py has the tool and the table)
+# ----------------------------------------------------------------------------
+# A test says what it grades and what it runs through:
+#     @pytest.mark.assignment("sampler")
+#     @pytest.mark.needs("engine", "copy-on-write")     # groups: assignments.GROUPS
+# An assignment is unfinished while its NotImplementedError is in the source.
+# A test that fails with the NotImplementedError of one of its OWN assignments
+# is that assignment's work still to do ("todo": a failure). A test that fails
+# while ANOTHER unfinished assignment raised (its message is in the traceback
+# or in what the test printed: the engine prints a step's error, a server
+# thread its traceback) or while one it needs() is unfinished, is reported
+# as skipped "blocked by <name>": it cannot grade anything before that is done.
+# At the end, one line per assignment: passed, failed, not attempted, blocked.
+
+import json  # noqa: E402
+
+import assignments  # noqa: E402  (tests/ is on sys.path: pytest puts this conftest's folder there)
+
+UNFINISHED: set = set()    # assignments whose raise is in the source of this run
+RESULTS: dict = {}         # nodeid -> status record (see assignments.grade)
+RANK = {"collected": 0, "passed": 1, "skipped": 2, "blocked": 3, "todo": 4, "failed": 5}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("assignments")
+    group.addoption("--assignment", metavar="NAMES", default=None,
+                    help="run only the tests of these assignments (comma-separated), e.g. --assignment sampler")
+    group.addoption("--assignment-report", metavar="FILE", default=None,
+                    help="write each test's assignment status to FILE as JSON (for tests/assignments.py check)")
+
+
+def pytest_configure(config):
+    UNFINISHED.update(assignments.unfinished(ROOT))
+    _print_request_failures()
+
+
+def _print_request_failures():
+    """The engine fails a request alone: its output gets finish_reason "error"
+    and the message, and the test sees only a wrong output. Print the message
+    too, so that a NotImplementedError behind it shows in the test's captured
+    output (for the plugin, and for the student reading the failure)."""
+    import scheduler
+    fail = scheduler.LLM._fail
+
+    def _fail(self, req, message):
+        print(f"nanoinfer: request {req.request_id} failed: {message}", file=sys.stderr)
+        return fail(self, req, message)
+    scheduler.LLM._fail = _fail
+
+
+def _marked(item, marker: str) -> list[str]:
+    return [a for m in item.iter_markers(marker) for a in m.args]
+
+
+def pytest_collection_modifyitems(config, items):
+    known = set(assignments.ASSIGNMENTS) | set(assignments.GROUPS)
+    for item in items:
+        bad = [n for n in _marked(item, "assignment") + _marked(item, "needs") if n not in known]
+        if bad or any(n in assignments.GROUPS for n in _marked(item, "assignment")):
+            raise pytest.UsageError(f"{item.nodeid}: unknown assignment(s) {bad or _marked(item, 'assignment')} "
+                                    f"in a marker; assignments: {', '.join(assignments.ASSIGNMENTS)}; "
+                                    f"groups (needs only): {', '.join(assignments.GROUPS)}")
+    only = config.getoption("--assignment")
+    if only:
+        wanted = set(assignments.chosen_names(only))
+        keep = [i for i in items if wanted & set(_marked(i, "assignment"))]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+
+
+def pytest_collection_finish(session):
+    for item in session.items:     # the tests this run will run (so a report lists one that never did)
+        RESULTS[item.nodeid] = {"test": item.nodeid.split("/")[-1], "status": "collected", "by": [],
+                                "assignments": sorted(set(_marked(item, "assignment"))),
+                                "declared": False, "message": ""}
+
+
+def _text(report) -> str:
+    """Everything a failed phase shows: the traceback and the captured output."""
+    return "\n".join([report.longreprtext] + [content for _, content in report.sections])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    report.assignment_status = ("passed" if report.passed else "skipped", [], False)
+    if not report.failed:
+        return
+    own, text = set(_marked(item, "assignment")), _text(report)
+    shown = assignments.raised(text, UNFINISHED)
+    needed = set(assignments.expand(_marked(item, "needs"))) & UNFINISHED
+    if own & shown:                                       # its own work, still to do
+        report.assignment_status = ("todo", sorted(own & shown), True)
+    elif shown or needed:                                 # waits for another assignment
+        by = sorted(shown or needed)
+        report.assignment_status = ("blocked", by, set(by) <= needed)
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] + 1, "blocked by " + ", ".join(by))
+    else:
+        report.assignment_status = ("failed", [], False)
+
+
+def pytest_runtest_logreport(report):
+    status, by, declared = getattr(report, "assignment_status", ("failed", [], False))
+    r = RESULTS.setdefault(report.nodeid, {"test": report.nodeid.split("/")[-1], "status": "collected",
+                                           "by": [], "assignments": [], "declared": False, "message": ""})
+    if RANK[status] > RANK[r["status"]]:                  # a test's status: its worst phase
+        crash = getattr(report.longrepr, "reprcrash", None)
+        r.update(status=status, by=by, declared=declared,
+                 message=(crash.message if crash else "").strip().split("\n")[0][:300])
+
+
+def pytest_terminal_summary(terminalreporter):
+    lines = assignments.summary_lines(RESULTS)
+    if lines:
+        terminalreporter.section("assignments")
+        for line in lines:
+            terminalreporter.write_line(line)
+        if any(r["status"] in ("todo", "blocked") for r in RESULTS.values()):
+            terminalreporter.write_line("(one assignment's tests: python -m pytest --assignment NAME; "
+                                        "the order: python tests/assignments.py list)")
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--assignment-report")
+    if path:
+        with open(path, "w") as f:
+            json.dump(RESULTS, f, indent=1)

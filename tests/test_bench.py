@@ -25,6 +25,9 @@ from model import default_model_path
 from quantize import eval_text, perplexity
 from tokenizer import Tokenizer
 
+# The results fixture runs every experiment through the whole engine.
+pytestmark = pytest.mark.needs("engine", "model", "sampler", "ngram-drafter", "int8", "paged-attention", "roofline")
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
@@ -100,6 +103,7 @@ def test_meta_and_every_experiment_present(run, results):
     assert results["overhead"]["models"][bench.TINY_MODEL] == "random weights, made-up shapes"
 
 
+@pytest.mark.assignment("roofline")
 def test_roofline(run, results):
     r, c = results["roofline"], run.cfg
     ctx, bw, flops = r["context"], r["bandwidth_GBps"] * 1e9, r["matmul_TFLOPs"] * 1e12

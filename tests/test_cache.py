@@ -23,6 +23,7 @@ from cache import AttentionContext, BlockManager, KVCache, kv_cache_bytes, num_b
 
 # ------------------------------------------------------------ memory accounting
 
+@pytest.mark.assignment("kv-cache-bytes")
 def test_bytes_per_token_formula_and_real_allocation():
     cfg = tiny_config(n_layers=3, n_kv_heads=2, head_dim=16)
     assert kv_cache_bytes(cfg, torch.float32) == 2 * 3 * 2 * 16 * 4
@@ -34,6 +35,7 @@ def test_bytes_per_token_formula_and_real_allocation():
     assert n * 16 * kv_cache_bytes(cfg, torch.float32) <= budget < (n + 1) * 16 * kv_cache_bytes(cfg, torch.float32)
 
 
+@pytest.mark.assignment("kv-cache-bytes")
 def test_smollm2_kv_bytes(real_model):
     # the lecture's example: 2 * 30 layers * 3 kv heads * 64 dims * 4 bytes
     assert kv_cache_bytes(real_model.config, torch.float32) == 46080
@@ -80,6 +82,8 @@ def paged_step(seqs, block_size, n_heads, n_kv, d=8, seed=0):
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("n_heads,n_kv", [(4, 4), (6, 2), (8, 2)])   # GQA groups 1, 3, 4
+@pytest.mark.assignment("paged-attention")
+@pytest.mark.needs("kv-cache-bytes", "block-allocation")
 def test_paged_attention_equals_sdpa(block_size, n_heads, n_kv):
     seqs = [(0, 37),            # whole prompt, no prefix
             (16, 1),            # decode after a prefix ending on a block boundary
@@ -92,6 +96,8 @@ def test_paged_attention_equals_sdpa(block_size, n_heads, n_kv):
     assert torch.allclose(out, ref, atol=1e-5), f"max err {(out - ref).abs().max():.2e}"
 
 
+@pytest.mark.assignment("paged-attention")
+@pytest.mark.needs("kv-cache-bytes", "block-allocation")
 def test_paged_attention_random_ragged_batches():
     rng = random.Random(0)
     for trial in range(20):
@@ -117,6 +123,8 @@ def run_chunks(model, chunks, ids, block_size=16):
     return torch.cat(logits)
 
 
+@pytest.mark.assignment("paged-attention")
+@pytest.mark.needs("model", "kv-cache-bytes", "block-allocation", "prefix-caching")
 def test_real_model_through_cache_equals_dense(real_model, real_tokenizer):
     ids = real_tokenizer.encode("The paged KV cache stores keys and values in blocks, like pages of "
                                 "virtual memory, so that nothing is wasted and prefixes are shared. " * 2)
@@ -131,6 +139,7 @@ def test_real_model_through_cache_equals_dense(real_model, real_tokenizer):
 
 # ------------------------------------------------------------ block manager
 
+@pytest.mark.assignment("block-allocation", "prefix-caching", "copy-on-write")
 def test_scripted_allocate_append_fork_free():
     bm = BlockManager(num_blocks=8, block_size=4)
     assert bm.allocate(1, list(range(10))) == 0                   # nothing cached yet
@@ -154,6 +163,8 @@ def test_scripted_allocate_append_fork_free():
     bm.check_invariants()
 
 
+@pytest.mark.assignment("prefix-caching")
+@pytest.mark.needs("block-allocation")
 def test_prefix_hits_reuse_the_same_physical_blocks():
     bm = BlockManager(num_blocks=16, block_size=4)
     prompt = list(range(100, 111))                                # 11 tokens: 2 full blocks + 3
@@ -174,6 +185,8 @@ def test_prefix_hits_reuse_the_same_physical_blocks():
     bm.check_invariants()
 
 
+@pytest.mark.assignment("prefix-caching")
+@pytest.mark.needs("block-allocation")
 def test_fully_cached_prompt_still_computes_its_last_token():
     bm = BlockManager(num_blocks=8, block_size=4)
     prompt = list(range(8))                                       # exactly 2 full blocks
@@ -183,6 +196,7 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     assert bm.allocate(2, prompt) == 4, "the last block is recomputed so its last token gets logits"
 
 
+@pytest.mark.assignment("block-allocation", "prefix-caching")
 def test_eviction_is_least_recently_used():
     bm = BlockManager(num_blocks=4, block_size=2)
     for seq, prompt in [(1, [1, 1, 9]), (2, [2, 2, 9]), (3, [3, 3, 9])]:
@@ -199,6 +213,7 @@ def test_eviction_is_least_recently_used():
     bm.check_invariants()
 
 
+@pytest.mark.assignment("block-allocation", "prefix-caching", "copy-on-write")
 def test_randomized_operations_keep_invariants_and_free_everything():
     rng = random.Random(1)
     bm = BlockManager(num_blocks=40, block_size=4)
@@ -247,6 +262,8 @@ def test_randomized_operations_keep_invariants_and_free_everything():
     assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_count)
 
 
+@pytest.mark.assignment("copy-on-write")
+@pytest.mark.needs("kv-cache-bytes", "block-allocation", "prefix-caching")
 def test_copy_on_write_copies_once_and_keeps_the_data(real_model):
     cfg = real_model.config
     cache = KVCache(cfg, 8, 4, "cpu", torch.float32)
@@ -269,6 +286,7 @@ def test_copy_on_write_copies_once_and_keeps_the_data(real_model):
     assert bm.tables[1][0] == bm.tables[2][0] == bm.tables[3][0], "full blocks stay shared"
 
 
+@pytest.mark.needs("block-allocation", "copy-on-write")
 def test_freeing_a_sequence_drops_its_pending_copies():
     """A copy-on-write copy into a block that was given back (the request was
     aborted before the step ran) must never run: the block may hold someone
@@ -284,6 +302,7 @@ def test_freeing_a_sequence_drops_its_pending_copies():
     bm.check_invariants()
 
 
+@pytest.mark.needs("block-allocation", "prefix-caching")
 def test_truncate_frees_trailing_blocks_and_uncaches_them():
     bm = BlockManager(num_blocks=8, block_size=4)
     toks = list(range(13))
@@ -298,6 +317,8 @@ def test_truncate_frees_trailing_blocks_and_uncaches_them():
 
 # ------------------------------------------------------------------- misuse
 
+@pytest.mark.assignment("block-allocation")
+@pytest.mark.needs("prefix-caching", "kv-cache-bytes")
 def test_misuse_fails_loudly():
     bm = BlockManager(num_blocks=2, block_size=4)
     bm.allocate(1, [1, 2, 3])

@@ -3,7 +3,7 @@
 To pass, implement:
   * batched_paged_attention: the vectorized paged attention for up to Q new
     queries per sequence: one gather through the block tables, a length mask,
-    GQA by reshaping queries to [B, Q, n_kv, group, d]. It must equal the
+    GQA without copying K, V per query head (head h reads KV head h // group). It must equal the
     reference cache.paged_attention on ragged batches, any block size and
     grouping, with block tables padded by garbage ids;
   * paged_attention_in_place: the same function, written so that torch.compile
@@ -80,6 +80,8 @@ def _random_pool(cache_cls, block_size, n_heads, n_kv, Q, ragged=False):
 
 
 @pytest.mark.parametrize("block_size,n_heads,n_kv,Q", ATTENTION_CASES)
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes", "int8")
 def test_fast_decode_attention_equals_reference(block_size, n_heads, n_kv, Q):
     for cache_cls in (KVCache, Int8KVCache):
         cache, q, bt, seq_lens, _ = _random_pool(cache_cls, block_size, n_heads, n_kv, Q)
@@ -103,6 +105,7 @@ def _in_place_case(cache_cls, block_size, n_heads, n_kv, Q):
 
 
 @pytest.mark.parametrize("block_size,n_heads,n_kv,Q", ATTENTION_CASES)
+@pytest.mark.needs("paged-attention", "kv-cache-bytes", "int8")
 def test_in_place_attention_equals_reference(block_size, n_heads, n_kv, Q):
     """The compiled path's formulation, run eagerly: plain and int8 caches,
     block sizes 1-16, GQA groups 1-4, ragged queries."""
@@ -113,6 +116,7 @@ def test_in_place_attention_equals_reference(block_size, n_heads, n_kv, Q):
                                        atol=1e-5, rtol=1e-5, msg=f"{cache_cls.__name__} layer {layer}")
 
 
+@pytest.mark.needs("paged-attention", "kv-cache-bytes", "int8")
 def test_compiled_in_place_attention_equals_reference():
     """Compiled, as the engine compiles it (batch, query length and table
     width symbolic; each layer as layer 0 of a one-layer view), over the int8
@@ -134,6 +138,7 @@ def test_compiled_in_place_attention_equals_reference():
     assert counters["stats"]["unique_graphs"] - graphs == 1, "one graph for every layer, batch and Q"
 
 
+@pytest.mark.needs("decode-attention", "kv-cache-bytes", "int8")
 def test_attention_bandwidth_counts_the_context_bytes():
     cache = _random_pool(Int8KVCache, 16, 6, 2, 1)[0]        # the compiled test's shapes: no new graph
     r = attention_bandwidth(cache, n_heads=6, batch=3, context=21, repeats=2)
@@ -143,6 +148,8 @@ def test_attention_bandwidth_counts_the_context_bytes():
 
 
 @pytest.mark.parametrize("block_size,n_heads,n_kv,seed", [(1, 6, 2, 0), (4, 6, 6, 1), (16, 8, 2, 2), (4, 9, 3, 3)])
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes", "block-allocation")
 def test_mixed_step_equals_reference(block_size, n_heads, n_kv, seed):
     """A random mix of decodes, k+1 verifications and prefill chunks (some
     over a cached prefix) through StepInputs -> StepContext, against the
@@ -196,6 +203,7 @@ def test_buckets():
         bucket(5, [1, 2, 4])
 
 
+@pytest.mark.needs("model")
 def test_transposed_layout_computes_the_same_function():
     model = tiny_model(seed=3, attention_bias=True)
     ids, pos = torch.randint(0, 512, (9,)), torch.arange(9)
@@ -210,6 +218,7 @@ def test_transposed_layout_computes_the_same_function():
     torch.testing.assert_close(model(ids, pos), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
 def test_compiled_step_pads_into_scratch_and_compiles_once():
     """A decode step (batch 3, padded to 4) and a ragged verification step
     (1-3 tokens per sequence, padded to Q = 3) through the compiled step of
@@ -262,6 +271,8 @@ def _run_staggered(llm, prompts, params):
     return [outs[i] for i in range(len(prompts))]
 
 
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("engine")
 def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     from torch._dynamo.utils import counters
     prompts = [[5, 6, 7], list(range(100, 130)), [42] * 5, list(range(7, 20)), [9, 8, 7, 6], [300, 301]]
@@ -277,6 +288,7 @@ def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+@pytest.mark.needs("decode-attention", "int8", "rmsnorm-rope", "kv-cache-bytes")
 def test_compiled_int8_bf16_step_matches_eager():
     """int8 weights with bf16 activations (the CPU int8 kernel) through the
     compiled step. bf16 is not bit-exact across fusion (inductor keeps fused
@@ -305,6 +317,7 @@ def test_compiled_int8_bf16_step_matches_eager():
     assert err(compiled) < 1.5 * err(eager), f"compiled {err(compiled):.4f} vs eager {err(eager):.4f} from float32"
 
 
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "int8")
 def test_compiled_int8_float32_step_is_float32_arithmetic(monkeypatch):
     """int8 weights with float32 activations through the compiled step take
     the fused int8 product (quantize.Int8Linear._fused: the path a GPU's
@@ -342,6 +355,7 @@ def test_compiled_int8_float32_step_is_float32_arithmetic(monkeypatch):
     torch.testing.assert_close(compiled, truth, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
 def test_compiled_verification_gives_the_eager_tokens(tiny_path):
     """Speculative decoding with compile=True: verification steps (k + 1 = 4
     tokens per sequence, ragged when a drafter finds fewer) run through the

@@ -50,6 +50,7 @@ GOLDEN = load_file(os.path.join(FIXTURES, "model_golden.safetensors"))
 
 # ---------------------------------------------------------------- the pieces
 
+@pytest.mark.assignment("rmsnorm-rope")
 def test_rmsnorm_equals_torch_rms_norm():
     torch.manual_seed(0)
     norm = RMSNorm(48, eps=1e-5)
@@ -74,6 +75,7 @@ def rope(x, positions, cfg):
     return apply_rope(x, angles.cos()[:, None], angles.sin()[:, None])
 
 
+@pytest.mark.assignment("rmsnorm-rope")
 def test_rope_is_a_rotation_of_complex_pairs():
     cfg = tiny_config()
     torch.manual_seed(0)
@@ -84,6 +86,7 @@ def test_rope_is_a_rotation_of_complex_pairs():
     assert torch.allclose(got.norm(dim=-1), x.norm(dim=-1), atol=1e-4), "a rotation keeps the norm"
 
 
+@pytest.mark.assignment("rmsnorm-rope")
 def test_rope_scores_depend_only_on_relative_position():
     cfg = tiny_config()
     torch.manual_seed(1)
@@ -96,6 +99,7 @@ def test_rope_scores_depend_only_on_relative_position():
     assert score(9, 2) != pytest.approx(score(3, 0), abs=1e-3), "different offsets must differ"
 
 
+@pytest.mark.assignment("rmsnorm-rope")
 def test_llama3_rope_scaling_frequencies():
     """Llama 3.1's rule: wavelengths above old_ctx/low_freq_factor are slowed
     down by `factor`, those below old_ctx/high_freq_factor are untouched."""
@@ -112,6 +116,7 @@ def test_llama3_rope_scaling_frequencies():
 
 
 @pytest.mark.parametrize("n_heads,n_kv", [(4, 4), (6, 2), (8, 2), (9, 3)])
+@pytest.mark.assignment("gqa-attention")
 def test_dense_attention_equals_sdpa(n_heads, n_kv):
     torch.manual_seed(0)
     N, d = 13, 16
@@ -124,6 +129,8 @@ def test_dense_attention_equals_sdpa(n_heads, n_kv):
     assert torch.allclose(got, ref.transpose(0, 1), atol=1e-5), "causal GQA attention != SDPA"
 
 
+@pytest.mark.assignment("gqa-attention")
+@pytest.mark.needs("rmsnorm-rope")
 def test_gqa_equals_mha_with_repeated_kv_heads():
     """A GQA model computes exactly what multi-head attention computes when
     each K/V head's weights are copied to the G query heads that share it."""
@@ -140,6 +147,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     assert torch.allclose(gqa(ids, pos), mha(ids, pos), atol=1e-4)
 
 
+@pytest.mark.assignment("rmsnorm-rope", "gqa-attention")
 def test_tiny_model_is_causal_and_position_aware():
     model = tiny_model()
     ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(0))
@@ -154,6 +162,7 @@ def test_tiny_model_is_causal_and_position_aware():
 
 # ------------------------------------------------ against Hugging Face transformers
 
+@pytest.mark.assignment("rmsnorm-rope", "gqa-attention")
 def test_tiny_sharded_llama3_checkpoint_matches_transformers():
     """tests/fixtures/tiny_llama3 was written by transformers' save_pretrained
     (3 shards + index, untied head, attention bias, llama3 rope scaling)."""
@@ -165,6 +174,7 @@ def test_tiny_sharded_llama3_checkpoint_matches_transformers():
 
 
 @pytest.mark.parametrize("i", range(4))
+@pytest.mark.assignment("rmsnorm-rope", "gqa-attention")
 def test_real_model_logits_match_transformers(real_model, i):
     ids = GOLDEN[f"ids_{i}"]
     logits = real_model(ids, torch.arange(len(ids)))[:, GOLDEN["cols"]]
@@ -173,12 +183,14 @@ def test_real_model_logits_match_transformers(real_model, i):
 
 
 @pytest.mark.parametrize("i", range(4))
+@pytest.mark.needs("model")
 def test_real_model_greedy_tokens_match_transformers(real_model, i):
     ids = GOLDEN[f"ids_{i}"].tolist()
     ref = GOLDEN[f"greedy_{i}"].tolist()
     assert generate(real_model, ids, len(ref)) == ref
 
 
+@pytest.mark.needs("model")
 def test_chat_answers_paris(real_model, real_tokenizer):
     prompt = real_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                                 tokenize=True)
@@ -186,6 +198,7 @@ def test_chat_answers_paris(real_model, real_tokenizer):
     assert "Paris" in real_tokenizer.decode(out)
 
 
+@pytest.mark.needs("model")
 def test_sampled_generation_is_seeded_and_stops_at_eos():
     model = tiny_model()
     a = generate(model, [1, 2, 3], 30, temperature=1.0, generator=torch.Generator().manual_seed(5))
@@ -237,6 +250,7 @@ def test_truncated_safetensors(tmp_path):
         load_model(str(d))
 
 
+@pytest.mark.needs("rmsnorm-rope")    # tiny_llama3 has Llama 3.1 rope scaling
 def test_missing_tensor(tmp_path):
     d = copy_tiny(tmp_path)
     (d / "model-00003-of-00003.safetensors").unlink()
@@ -391,6 +405,7 @@ def rewrite_shards(d, change):
     save_file(change(tensors), str(d / "model.safetensors"))
 
 
+@pytest.mark.needs("rmsnorm-rope")    # tiny_llama3 has Llama 3.1 rope scaling
 def test_one_error_lists_missing_and_unexpected(tmp_path):
     d = copy_tiny(tmp_path)
     rewrite_shards(d, lambda t: {("model.final_norm.weight" if k == "model.norm.weight" else k): v
@@ -401,6 +416,7 @@ def test_one_error_lists_missing_and_unexpected(tmp_path):
     assert "missing" in msg and "norm.weight" in msg and "unexpected" in msg and "final_norm.weight" in msg, msg
 
 
+@pytest.mark.needs("rmsnorm-rope")    # tiny_llama3 has Llama 3.1 rope scaling
 def test_unexpected_tensor_is_refused(tmp_path):
     d = copy_tiny(tmp_path)
     rewrite_shards(d, lambda t: {**t, "model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)})
@@ -408,6 +424,7 @@ def test_unexpected_tensor_is_refused(tmp_path):
         load_model(str(d))
 
 
+@pytest.mark.needs("rmsnorm-rope")    # tiny_llama3 has Llama 3.1 rope scaling
 def test_known_harmless_extras_are_ignored(tmp_path):
     """Old transformers saved RoPE's inv_freq buffer; it is recomputed from the config."""
     d = copy_tiny(tmp_path)
@@ -418,6 +435,7 @@ def test_known_harmless_extras_are_ignored(tmp_path):
     assert (model(ids, torch.arange(len(ids))) - GOLDEN["tiny_logits"]).abs().max() < 1e-4
 
 
+@pytest.mark.needs("rmsnorm-rope")    # tiny_llama3 has Llama 3.1 rope scaling
 def test_tied_config_over_a_distinct_lm_head_is_refused(tmp_path):
     """tie_word_embeddings=true would throw a trained lm_head away: refused,
     unless the stored head equals the embedding (a harmless duplicate)."""
@@ -432,6 +450,7 @@ def test_tied_config_over_a_distinct_lm_head_is_refused(tmp_path):
     assert cfg.tie_embeddings and model.lm_head.weight is model.embed_tokens.weight
 
 
+@pytest.mark.needs("rmsnorm-rope")    # tiny_llama3 has Llama 3.1 rope scaling
 def test_untied_config_without_lm_head_is_refused(tmp_path):
     d = copy_tiny(tmp_path)
     rewrite_shards(d, lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
@@ -439,6 +458,7 @@ def test_untied_config_without_lm_head_is_refused(tmp_path):
         load_model(str(d))
 
 
+@pytest.mark.needs("rmsnorm-rope")    # tiny_llama3 has Llama 3.1 rope scaling
 def test_attention_bias_that_disagrees_is_refused(tmp_path):
     d = copy_tiny(tmp_path)
     cfg = json.loads((d / "config.json").read_text())
@@ -452,6 +472,7 @@ def test_attention_bias_that_disagrees_is_refused(tmp_path):
                                                 ("intermediate_size", 48, "gate_proj.weight"),
                                                 ("vocab_size", 300, "embed_tokens.weight"),
                                                 ("hidden_size", 48, "embed_tokens.weight")])
+@pytest.mark.needs("rmsnorm-rope")    # tiny_llama3 has Llama 3.1 rope scaling
 def test_shapes_that_disagree_are_refused_naming_the_fields(tmp_path, field, value, tensor):
     d = copy_tiny(tmp_path)
     cfg = json.loads((d / "config.json").read_text())
@@ -462,6 +483,7 @@ def test_shapes_that_disagree_are_refused_naming_the_fields(tmp_path, field, val
     assert "wrong shape" in msg and tensor in msg and field in msg, msg
 
 
+@pytest.mark.needs("rmsnorm-rope")    # tiny_llama3 has Llama 3.1 rope scaling
 def test_integer_weights_are_refused(tmp_path):
     d = copy_tiny(tmp_path)
     rewrite_shards(d, lambda t: {**t, "model.norm.weight": t["model.norm.weight"].to(torch.int8)})
@@ -507,6 +529,7 @@ PUBLISHED = {
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
+@pytest.mark.needs("rmsnorm-rope")
 def test_preset_has_the_published_shapes_on_the_meta_device(name):
     model, cfg = load_model(f"random:{name}", device="meta", dtype=torch.bfloat16)
     layers, dim, heads, kv, hd, ffn, vocab, tied, theta, factor, ctx, count = PUBLISHED[name]
@@ -537,6 +560,7 @@ def test_presets_validate_as_checkpoint_configs():
         assert isinstance(ModelConfig.from_hf(hf), ModelConfig), name
 
 
+@pytest.mark.needs("rmsnorm-rope")
 def test_random_weights_are_seeded():
     a, _ = load_model("random:tiny")
     b, _ = load_model("random:tiny:seed=0")
@@ -548,6 +572,7 @@ def test_random_weights_are_seeded():
         "every tensor gets its own random values"
 
 
+@pytest.mark.needs("rmsnorm-rope")
 def test_random_weights_are_made_in_the_target_dtype(monkeypatch):
     """No float32 copy first: every tensor is created in bf16 directly."""
     made = []
@@ -587,11 +612,13 @@ def check_random_model(model, n_prompts=8):
     assert len(set(argmaxes)) >= n_prompts - 1, f"different inputs must predict different tokens: {argmaxes}"
 
 
+@pytest.mark.needs("model")
 def test_random_default_preset_is_finite_and_informative():
     model, cfg = load_model("random:smollm2-135m")
     check_random_model(model, n_prompts=6)
 
 
+@pytest.mark.needs("model")
 def test_random_weights_stay_finite_at_70b_depth():
     """80 layers (Llama-3.1-70B's depth) at a narrow width, in bfloat16."""
     from model import random_weights
@@ -617,6 +644,7 @@ def test_tokenizer_path(tmp_path, real_path):
     assert tokenizer_path(str(tmp_path)) == str(tmp_path)
 
 
+@pytest.mark.needs("model")
 def test_llama3_vocabulary_preset_generates_ids_beyond_the_tokenizer(real_tokenizer):
     model, cfg = load_model("random:tiny")
     assert cfg.vocab_size == 128256 > real_tokenizer.vocab_size
@@ -628,6 +656,7 @@ def test_llama3_vocabulary_preset_generates_ids_beyond_the_tokenizer(real_tokeni
 
 # ------------------------------------------------- GGUF conversion, run for real even on a warm cache
 
+@pytest.mark.needs("model", "bpe")
 def test_real_gguf_conversion_matches_transformers(tmp_path, monkeypatch):
     """Convert the embedded GGUF into an empty cache (the one real conversion
     of this file, ~8 s) and hold the result to transformers' logits (which

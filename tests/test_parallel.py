@@ -99,6 +99,8 @@ def alive(pid):
 # ------------------------------------------------------------ sharding, in one process
 
 @pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.assignment("tensor-parallel")
+@pytest.mark.needs("int8")
 def test_shard_model_keeps_each_ranks_slice(quantized):
     full = tiny_model(seed=1)
     if quantized:
@@ -173,6 +175,8 @@ def tiny2(path):
     return open_group(("tiny", 2), lambda: TensorParallelGroup(path, 2))
 
 
+@pytest.mark.assignment("tensor-parallel")
+@pytest.mark.needs("model")
 def test_tiny_dense_logits_equal_unsharded(tiny_dir):
     group, ref = tiny2(tiny_dir), reference(tiny_dir)
     assert ref.layers[0].self_attn.o_proj.bias is not None, "the reference must have its biases"
@@ -220,6 +224,8 @@ def greedy_paged(group, prompts, steps, block_size=4, fork=None):
     return seqs, rows_out
 
 
+@pytest.mark.assignment("tensor-parallel")
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "block-allocation", "copy-on-write")
 def test_tiny_paged_prefill_then_decode_equal_unsharded(tiny_dir):
     group, ref = tiny2(tiny_dir), reference(tiny_dir)
     group.allocate_cache(num_blocks=24, block_size=4)
@@ -234,6 +240,7 @@ def test_tiny_paged_prefill_then_decode_equal_unsharded(tiny_dir):
                 f"sequence {i}, step {step}: paged N=2 logits differ from the dense N=1 model: {m}"))
 
 
+@pytest.mark.needs("tensor-parallel", "model")
 def test_allreduce_counter_for_the_bench(tiny_dir):
     group = tiny2(tiny_dir)
     cfg = group.full_config
@@ -256,6 +263,7 @@ def _die_on_workers(model, cache):
     return model.tp_comm.all_reduce(torch.ones(1))
 
 
+@pytest.mark.needs("tensor-parallel")
 def test_worker_dying_inside_a_collective_raises(tiny_dir):
     group = tiny2(tiny_dir)
     t0 = time.perf_counter()
@@ -272,6 +280,8 @@ def tiny2_int8(path):
     return open_group(("tiny-int8", 2), lambda: TensorParallelGroup(path, 2, quantization="int8"))
 
 
+@pytest.mark.assignment("tensor-parallel")
+@pytest.mark.needs("model", "int8")
 def test_int8_sharded_equals_int8_unsharded(tiny_dir):
     group, ref = tiny2_int8(tiny_dir), reference(tiny_dir, "int8")
     assert isinstance(group.model.layers[0].mlp.down_proj.linear, Int8Linear)
@@ -283,6 +293,7 @@ def test_int8_sharded_equals_int8_unsharded(tiny_dir):
                                msg=lambda m: f"int8 N=2 logits differ from int8 N=1: {m}")
 
 
+@pytest.mark.needs("tensor-parallel", "model", "int8")
 def test_killed_worker_raises_within_seconds(tiny_dir):
     group = tiny2_int8(tiny_dir)
     ids = torch.arange(5)
@@ -309,6 +320,8 @@ def _pool_shapes(model, cache):
     return out
 
 
+@pytest.mark.assignment("tensor-parallel")
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "block-allocation")
 def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real_tokenizer):
     group = open_group(("real", 3), lambda: TensorParallelGroup(real_path, 3))
     cfg = real_model.config
@@ -332,6 +345,8 @@ def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real
 
 # ------------------------------------------------------------ through the engine
 
+@pytest.mark.assignment("tensor-parallel")
+@pytest.mark.needs("engine", "sampler", "copy-on-write")
 def test_engine_n2_equals_n1_batched_chunked_preempted(tiny_dir):
     """LLM(tensor_parallel_size=2): the same greedy tokens as N = 1 with a
     batch, chunked prefills, a fork (n = 2) and preemptions; a pool sized by
@@ -366,6 +381,7 @@ LLAMA_8B = ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim
                        vocab_size=128256, tie_embeddings=False)
 
 
+@pytest.mark.needs("tensor-parallel", "kv-cache-bytes")
 def test_cost_arithmetic_on_llama_8b_shapes():
     # Meta's published parameter count of Llama-3.1-8B, in bf16
     assert weight_bytes_per_rank(LLAMA_8B, 1, 2) == 8_030_261_248 * 2

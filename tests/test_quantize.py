@@ -28,6 +28,7 @@ from quantize import (Int8KVCache, Int8Linear, dequantize_int8, eval_text, int8_
 from scheduler import LLM, SamplingParams
 
 
+@pytest.mark.assignment("int8")
 def test_round_trip_error_is_at_most_half_a_step():
     torch.manual_seed(0)
     w = torch.randn(64, 300)
@@ -44,6 +45,7 @@ def test_round_trip_error_is_at_most_half_a_step():
     assert back[7, 11] == pytest.approx(1e4, rel=1e-6), "the outlier itself is exact (it sets the scale)"
 
 
+@pytest.mark.assignment("int8")
 def test_int8_linear_equals_linear_on_dequantized_weight():
     torch.manual_seed(0)
     lin = nn.Linear(96, 40, bias=True)
@@ -60,6 +62,7 @@ def test_int8_linear_equals_linear_on_dequantized_weight():
     torch.testing.assert_close(yb.float(), ref, atol=0.05, rtol=0.02)
 
 
+@pytest.mark.assignment("int8")
 def test_int8_linear_compiled_equals_linear_on_dequantized_weight(tmp_path, monkeypatch):
     """Under torch.compile, up to FUSED_ROWS rows take the fused product
     (int8 -> float inside the reduction), more rows the matmul: one graph
@@ -82,6 +85,8 @@ def test_int8_linear_compiled_equals_linear_on_dequantized_weight(tmp_path, monk
     assert counters["stats"]["unique_graphs"] - graphs == 2, "one graph up to FUSED_ROWS rows, one beyond"
 
 
+@pytest.mark.assignment("int8")
+@pytest.mark.needs("model")
 def test_quantize_model_swaps_every_linear_and_quarters_the_bytes():
     model = tiny_model(seed=1, tie_embeddings=False)
     fp32_bytes = decode_weight_bytes(model)
@@ -102,6 +107,7 @@ def test_quantize_model_swaps_every_linear_and_quarters_the_bytes():
         quantize_model(tiny_model(), "int4")
 
 
+@pytest.mark.assignment("int8")
 def test_tied_head_is_quantized_and_embedding_kept():
     model = quantize_model(tiny_model(seed=2))          # tie_embeddings=True
     assert isinstance(model.lm_head, Int8Linear)
@@ -120,6 +126,8 @@ def _fill_caches(cfg, tables, seq_lens, seed=0):
     return caches
 
 
+@pytest.mark.assignment("int8")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes")
 def test_paged_attention_over_int8_cache_is_close_to_float():
     cfg = tiny_config()
     tables, seq_lens, query_lens = [[3, 0, 7], [5, 9, 1]], [11, 6], [3, 1]
@@ -138,6 +146,8 @@ def test_paged_attention_over_int8_cache_is_close_to_float():
     torch.testing.assert_close(i8.blocks(1, torch.tensor([11]))[0], i8.blocks(1, torch.tensor([3]))[0])
 
 
+@pytest.mark.assignment("int8")
+@pytest.mark.needs("engine", "model")
 def test_engine_int8_matches_dense_generate_of_quantized_model(tiny_path):
     llm = LLM(tiny_path, device="cpu", dtype="float32", quantization="int8", kv_cache_bytes=1 << 22)
     assert isinstance(llm.model.lm_head, Int8Linear)
@@ -148,6 +158,8 @@ def test_engine_int8_matches_dense_generate_of_quantized_model(tiny_path):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+@pytest.mark.assignment("int8")
+@pytest.mark.needs("engine")
 def test_engine_with_int8_kv_cache_on_real_model(real_path):
     llm = LLM(real_path, device="cpu", quantization="int8", kv_cache_dtype="int8", kv_cache_bytes=1 << 24)
     assert llm.dtype == torch.bfloat16, "int8 on CPU should default to bf16 activations"
@@ -160,6 +172,8 @@ def test_engine_with_int8_kv_cache_on_real_model(real_path):
         LLM(real_path, device="cpu", kv_cache_dtype="fp8")
 
 
+@pytest.mark.assignment("int8")
+@pytest.mark.needs("model")
 def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, real_path):
     from model import load_model
     ids = real_tokenizer.encode(eval_text())

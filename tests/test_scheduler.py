@@ -57,6 +57,8 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
 # ------------------------------------------------------ exactness on the real model
 
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("engine", "model")
 def test_batch_equals_dense_one_by_one(real_llm, dense_reference):
     outs = real_llm.generate(PROMPTS, GREEDY)
     for i, (o, ref) in enumerate(zip(outs, dense_reference)):
@@ -65,6 +67,8 @@ def test_batch_equals_dense_one_by_one(real_llm, dense_reference):
     assert_no_leak(real_llm)
 
 
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("engine", "model")
 def test_exact_under_preemption(real_path, dense_reference):
     # 46 blocks of 4 tokens: the longest prompt alone needs 40, so the
     # others must evict it (or each other) and recompute later.
@@ -76,6 +80,8 @@ def test_exact_under_preemption(real_path, dense_reference):
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("engine", "model")
 def test_exact_under_many_preemptions(tiny_path, prefix_caching):
     """Block size 1 and a pool of 120 tokens for 12 sequences growing to ~40:
     the newest running sequence is evicted again and again."""
@@ -89,6 +95,8 @@ def test_exact_under_many_preemptions(tiny_path, prefix_caching):
     assert_no_leak(llm)
 
 
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("engine", "model")
 def test_exact_with_tiny_prefill_chunks(real_path, dense_reference):
     llm = LLM(real_path, kv_cache_bytes=64 << 20, max_num_batched_tokens=7)
     outs = llm.generate(PROMPTS, GREEDY)
@@ -98,6 +106,8 @@ def test_exact_with_tiny_prefill_chunks(real_path, dense_reference):
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.assignment("prefix-caching")
+@pytest.mark.needs("engine", "model")
 def test_exact_with_and_without_prefix_caching(real_path, dense_reference, prefix_caching):
     llm = LLM(real_path, kv_cache_bytes=64 << 20, enable_prefix_caching=prefix_caching)
     first = llm.generate(PROMPTS, GREEDY)
@@ -115,6 +125,8 @@ def tiny_llm(tiny_path):
     return LLM(tiny_path, kv_cache_bytes=4 << 20)
 
 
+@pytest.mark.assignment("sampler")
+@pytest.mark.needs("engine")
 def test_seeded_sampling_ignores_the_batch(tiny_path):
     params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = LLM(tiny_path, kv_cache_bytes=4 << 20).generate(["a seeded request"], params)[0].token_ids
@@ -126,6 +138,8 @@ def test_seeded_sampling_ignores_the_batch(tiny_path):
     assert unseeded[0].token_ids != unseeded[1].token_ids, "unseeded requests must not share randomness"
 
 
+@pytest.mark.assignment("sampler")
+@pytest.mark.needs("engine", "copy-on-write", "stop-strings")
 def test_seeded_request_repeats_in_a_mixed_batch_and_after_preemption(tiny_path):
     """Counter-based noise: the same seeded request gives the same tokens alone,
     among 16 mixed requests (greedy, sampled, top-k/top-p, n > 1, stop
@@ -148,6 +162,8 @@ def test_seeded_request_repeats_in_a_mixed_batch_and_after_preemption(tiny_path)
     assert_no_leak(tight)
 
 
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("engine", "model")
 def test_prefills_that_fill_the_pool_do_not_deadlock(tiny_path):
     """Two long prompts chunked into a pool that holds one of them: each holds
     part of the pool, neither can go on. The newest must give way."""
@@ -199,6 +215,7 @@ def run_beside(llm, bad_prompt, bad_params, steps_before=2):
 @pytest.mark.parametrize("bad", [dict(n=2, seed=2**64 - 1, temperature=1.0), dict(top_k=10**24, temperature=1.0),
                                  dict(seed=-2**63, temperature=1e-30), dict(temperature=1e6, top_p=1e-9),
                                  dict(stop=["z" * 1024] * 16, max_tokens=5)])
+@pytest.mark.needs("engine", "sampler", "copy-on-write", "stop-strings")
 def test_extreme_but_valid_params_run_beside_healthy_requests(tiny_path, bad):
     ref = healthy_alone(tiny_path)
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
@@ -209,6 +226,7 @@ def test_extreme_but_valid_params_run_beside_healthy_requests(tiny_path, bad):
     assert_no_leak(llm)
 
 
+@pytest.mark.needs("engine", "sampler", "copy-on-write")
 def test_n_beyond_the_batch_is_refused_at_once(tiny_path):
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_seqs=2)
     with pytest.raises(ValueError, match=r"n=3.*max_num_seqs=2"):
@@ -217,6 +235,7 @@ def test_n_beyond_the_batch_is_refused_at_once(tiny_path):
     assert len(llm.generate(["Hi"], SamplingParams(n=2, temperature=1.0, max_tokens=3))[0].outputs) == 2
 
 
+@pytest.mark.needs("engine")
 def test_a_request_whose_text_fails_finishes_alone(tiny_path, monkeypatch):
     ref = healthy_alone(tiny_path)
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
@@ -242,6 +261,7 @@ def test_a_request_whose_text_fails_finishes_alone(tiny_path, monkeypatch):
     assert_no_leak(llm)
 
 
+@pytest.mark.needs("engine")
 def test_non_finite_logits_fail_only_their_request(tiny_path):
     ref = healthy_alone(tiny_path)
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
@@ -262,6 +282,7 @@ def test_non_finite_logits_fail_only_their_request(tiny_path):
     assert_no_leak(llm)
 
 
+@pytest.mark.needs("engine")
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_path, monkeypatch):
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
     calls = {"n": 0}
@@ -280,6 +301,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_path, mon
         healthy_alone(tiny_path), "the engine must serve normally afterwards"
 
 
+@pytest.mark.needs("engine")
 def test_interrupted_generate_leaves_nothing_running(tiny_path, monkeypatch):
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
     step, calls = llm.step, {"n": 0}
@@ -295,6 +317,8 @@ def test_interrupted_generate_leaves_nothing_running(tiny_path, monkeypatch):
     assert_no_leak(llm)
 
 
+@pytest.mark.assignment("stop-strings")
+@pytest.mark.needs("engine")
 def test_streamed_deltas_add_up_and_never_show_a_stop_string(tiny_llm):
     """new_text of every step concatenates to the final text; text that later
     turns out to be a stop string is never streamed (hold-back), also when the
@@ -316,6 +340,8 @@ def test_streamed_deltas_add_up_and_never_show_a_stop_string(tiny_llm):
     assert final.finish_reason == "stop" and streamed == final.text == base.text[:base.text.index(stop)]
 
 
+@pytest.mark.assignment("copy-on-write")
+@pytest.mark.needs("engine", "sampler")
 def test_parallel_samples_share_prompt_blocks(tiny_llm):
     prompt = "a shared prompt " * 20                       # 80+ tokens: 5+ blocks
     params = SamplingParams(max_tokens=8, temperature=1.0, n=4, seed=0, ignore_eos=True)
@@ -336,6 +362,8 @@ def test_parallel_samples_share_prompt_blocks(tiny_llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.assignment("stop-strings")
+@pytest.mark.needs("engine")
 def test_stop_conditions(tiny_llm):
     llm = tiny_llm
     base = llm.generate(["stop test"], SamplingParams(max_tokens=30, ignore_eos=True))[0]
@@ -362,6 +390,7 @@ def test_stop_conditions(tiny_llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.needs("engine")
 def test_abort_frees_blocks_at_once(tiny_llm):
     llm = tiny_llm
     keep = llm.add_request("keep going " * 10, SamplingParams(max_tokens=20, ignore_eos=True))
@@ -378,6 +407,7 @@ def test_abort_frees_blocks_at_once(tiny_llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.needs("engine")
 def test_bad_request_fails_alone(tiny_llm):
     llm = tiny_llm
     good = [llm.add_request(f"request {i}", SamplingParams(max_tokens=5, ignore_eos=True)) for i in range(3)]
@@ -394,6 +424,7 @@ def test_bad_request_fails_alone(tiny_llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.needs("engine")
 def test_prompt_longer_than_pool(tiny_path):
     llm = LLM(tiny_path, kv_cache_bytes=4 * 16 * 2 * 2 * 2 * 16 * 4)     # 4 blocks = 64 tokens
     with pytest.raises(ValueError, match="KV cache pool"):
@@ -402,6 +433,8 @@ def test_prompt_longer_than_pool(tiny_path):
     assert out.finish_reason == "length" and len(out.token_ids) == 4, "stops when the pool is full"
 
 
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("engine")
 def test_one_forward_pass_per_step_for_64_prompts(tiny_llm):
     llm = tiny_llm
     calls = {"model": 0, "mlp": 0}
@@ -418,6 +451,7 @@ def test_one_forward_pass_per_step_for_64_prompts(tiny_llm):
     assert_no_leak(llm)
 
 
+@pytest.mark.needs("engine")
 def test_logprobs(tiny_llm):
     out = tiny_llm.generate(["logprobs"], SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))[0]
     lps = out.outputs[0].logprobs
@@ -458,6 +492,7 @@ def reference_probs(logits, temperature, top_k, top_p):
     return ref / ref.sum()
 
 
+@pytest.mark.assignment("sampler")
 def test_filtered_probs_against_a_direct_reference():
     torch.manual_seed(0)
     logits = torch.randn(5, 50) * 2
@@ -474,6 +509,7 @@ def ask(row, params, key=0, drafts=(), position=0):
     return SampleRequest(row, list(drafts), params, key, position)
 
 
+@pytest.mark.assignment("sampler")
 def test_greedy_rows_are_the_argmax_and_skip_filtering(monkeypatch):
     torch.manual_seed(1)
     logits = torch.randn(16, 1000)
@@ -488,6 +524,7 @@ def test_greedy_rows_are_the_argmax_and_skip_filtering(monkeypatch):
 
 
 @pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.5, 0, 0.7), (1.0, 5, 0.8)])
+@pytest.mark.assignment("sampler")
 def test_sampled_rows_follow_the_filtered_distribution(t, k, p):
     """200k draws through sample_tokens (each its own key) against the reference."""
     torch.manual_seed(2)
@@ -503,6 +540,7 @@ def test_sampled_rows_follow_the_filtered_distribution(t, k, p):
     assert stat < 26.1, f"chi-square {stat:.1f} (df <= 7, 99.9th percentile 24.3): not the filtered distribution"
 
 
+@pytest.mark.assignment("sampler")
 def test_noise_is_a_function_of_key_position_and_stream():
     assert uniform(5, 3) == uniform(5, 3), "counter-based: the same (key, position) gives the same noise"
     us = [uniform(sample_key(7, 0), i) for i in range(20000)]
@@ -513,6 +551,7 @@ def test_noise_is_a_function_of_key_position_and_stream():
     assert sample_key(2**64 - 1, 0) != sample_key(0, 0) and 0 <= sample_key(-2**63, 5) < 2**64
 
 
+@pytest.mark.needs("sampler")
 def test_logprobs_are_log_softmax_of_the_raw_logits():
     torch.manual_seed(3)
     logits = torch.randn(3, 40) * 3
@@ -529,6 +568,7 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
     assert out[2][1] is None
 
 
+@pytest.mark.needs("sampler")
 def test_non_finite_logits_are_flagged_per_row():
     logits = torch.randn(3, 10)
     logits[1, 4] = float("nan")
@@ -556,6 +596,8 @@ def fake_step(sched, batch):
             item.seq.token_ids.append(7)
 
 
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("block-allocation", "prefix-caching")
 def test_scheduler_admits_in_order_within_the_token_budget(real_tokenizer):
     bm = BlockManager(100, 4)
     sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=10)
@@ -571,6 +613,8 @@ def test_scheduler_admits_in_order_within_the_token_budget(real_tokenizer):
     assert sum(i.count for i in b2) <= 10 and seqs[3] in sched.waiting
 
 
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("block-allocation", "prefix-caching")
 def test_scheduler_preempts_the_newest_sequence(real_tokenizer):
     bm = BlockManager(4, 4)                 # 16 token slots
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)

@@ -45,6 +45,10 @@ from serve import exposure_warning, make_server, one_shot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Every test here talks to an engine thread (LLM() sizes its KV pool first): an
+# unfinished engine assignment can stop it, and then nothing is answered.
+pytestmark = pytest.mark.needs("engine")
+
 
 @contextlib.contextmanager
 def serving(llm, max_waiting=64, **limits):
@@ -202,6 +206,7 @@ def assert_ok(server):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.needs("engine")
 def test_completion_matches_offline_generate(server, offline):
     body = {"prompt": "The harbor town", "max_tokens": 12, "temperature": 0}
     status, out = request(server, "POST", "/v1/completions", body)
@@ -216,6 +221,8 @@ def test_completion_matches_offline_generate(server, offline):
     assert status == 200 and out2["choices"][0]["text"] == ref.text
 
 
+@pytest.mark.assignment("sse-stream")
+@pytest.mark.needs("engine")
 def test_streaming_concatenates_to_the_full_answer(server):
     for path, body in (("/v1/completions", {"prompt": "Once upon", "max_tokens": 20, "temperature": 0}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
@@ -238,6 +245,7 @@ def test_streaming_concatenates_to_the_full_answer(server):
         assert chunks[-1]["usage"] == full["usage"]
 
 
+@pytest.mark.needs("engine", "sampler", "copy-on-write", "stop-strings", "sse-stream")
 def test_n_stop_strings_logprobs_and_seed(server, offline):
     status, out = request(server, "POST", "/v1/completions",
                           {"prompt": "abc", "max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3})
@@ -262,6 +270,7 @@ def test_n_stop_strings_logprobs_and_seed(server, offline):
     assert all(len(t) >= 2 for t in lp["top_logprobs"])
 
 
+@pytest.mark.needs("engine")
 def test_models_health_metrics_on_one_keep_alive_connection(server):
     host, port = server.server_address[:2]
     conn = http.client.HTTPConnection(host, port, timeout=30)   # every request below reuses it
@@ -293,6 +302,8 @@ def test_models_health_metrics_on_one_keep_alive_connection(server):
         values["nanoinfer_time_to_first_token_seconds_count"]
 
 
+@pytest.mark.assignment("sse-stream")
+@pytest.mark.needs("engine")
 def test_64_concurrent_clients_get_offline_answers(server, offline):
     prompts = [f"Request number {i} says" for i in range(64)]
     lengths = [6 + i % 5 for i in range(64)]
@@ -469,6 +480,7 @@ def test_request_token_cap_and_n_beyond_the_batch(small_llm):
         assert wait_all_free(small_llm)
 
 
+@pytest.mark.needs("engine", "sampler", "copy-on-write", "sse-stream")
 def test_default_request_token_cap_is_16_contexts(server):
     llm, n = server.engine.llm, SamplingParams.LIMITS["n"]
     per_sample = 16 * llm.max_len // n
@@ -641,6 +653,8 @@ def test_api_key(small_llm):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.assignment("sse-stream")
+@pytest.mark.needs("engine")
 def test_disconnect_mid_stream_frees_the_blocks(server):
     llm = server.engine.llm
     assert wait_all_free(llm)
@@ -652,6 +666,7 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
     assert metric(server, "nanoinfer_requests_aborted_total") == aborted + 1, "the abort was not counted"
 
 
+@pytest.mark.needs("engine")
 def test_non_streaming_clients_that_leave_are_aborted(server):
     """Issue 20: four non-streaming requests whose clients closed their sockets
     must stop generating (not run to the end), and free their blocks."""
@@ -672,6 +687,7 @@ def test_non_streaming_clients_that_leave_are_aborted(server):
     assert metric(server, "nanoinfer_requests_finished_total") == finished, "they ran to the end instead"
 
 
+@pytest.mark.needs("engine")
 def test_engine_step_failure_fails_its_requests_and_serving_goes_on(server, offline, monkeypatch):
     llm = server.engine.llm
     real_step, armed = llm.step, threading.Event()
@@ -703,6 +719,7 @@ def test_engine_step_failure_fails_its_requests_and_serving_goes_on(server, offl
     assert status == 200 and out["choices"][0]["text"] == ref, "later requests are not served normally"
 
 
+@pytest.mark.needs("engine", "sse-stream")
 def test_a_request_the_engine_fails_alone_gets_an_error_and_others_go_on(server, offline, monkeypatch):
     """The engine finishes one request with finish_reason "error" (here: its
     text cannot be processed); its client gets an error, a stream beside it
@@ -751,6 +768,7 @@ def test_full_waiting_queue_answers_503(small_llm):
         assert wait_all_free(small_llm)
 
 
+@pytest.mark.needs("engine")
 def test_drain_finishes_in_flight_requests_and_aborts_the_rest(small_llm):
     with serving(small_llm) as srv:
         short = {}
@@ -778,6 +796,7 @@ def test_drain_finishes_in_flight_requests_and_aborts_the_rest(small_llm):
         assert wait_all_free(small_llm)
 
 
+@pytest.mark.needs("engine", "sse-stream")
 def test_sigterm_drains_and_exits_0(tiny_path):
     env = {**os.environ, "NANOINFER_API_KEY": "k", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "serve.py", "--model", tiny_path, "--port", "0", "--device", "cpu",
@@ -819,6 +838,7 @@ def test_sigterm_drains_and_exits_0(tiny_path):
     assert m and m.group(1) == "2" and m.group(2) == m.group(3), f"drain report: {output[-300:]}"
 
 
+@pytest.mark.needs("engine")
 def test_one_shot_prints_the_stream(tiny_path, offline, capsys):
     out = one_shot(offline, "The harbor town", False, SamplingParams(max_tokens=12))
     printed = capsys.readouterr().out

@@ -29,6 +29,7 @@ def onehot(tokens, V):
 
 # ------------------------------------------------------------ deterministic cases
 
+@pytest.mark.assignment("rejection-sampling")
 def test_all_accepted_gives_k_drafts_plus_bonus():
     V = 6
     target = onehot([2, 4, 1, 5], V)                   # the target agrees with every draft
@@ -36,6 +37,7 @@ def test_all_accepted_gives_k_drafts_plus_bonus():
     assert out == [2, 4, 1, 5]
 
 
+@pytest.mark.assignment("rejection-sampling")
 def test_first_rejected_gives_exactly_one_corrected_token():
     V = 6
     target = onehot([3, 4, 1, 5], V)
@@ -45,6 +47,7 @@ def test_first_rejected_gives_exactly_one_corrected_token():
     assert out == [2, 0], "accepted prefix, then the correction"
 
 
+@pytest.mark.assignment("rejection-sampling")
 def test_a_draft_the_target_never_emits_is_always_rejected():
     target = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
     for seed in range(50):
@@ -67,6 +70,7 @@ def residual_reference(target, draft, n_acc, n):
     return r / r.sum()
 
 
+@pytest.mark.assignment("rejection-sampling")
 def test_batched_agrees_with_single_draw_for_draw():
     g = torch.Generator().manual_seed(0)
     B, K, V = 16, 4, 7
@@ -88,6 +92,7 @@ def test_batched_agrees_with_single_draw_for_draw():
         assert ref[single[-1]] > 0, f"row {b}: the single version drew a token the final distribution excludes"
 
 
+@pytest.mark.assignment("rejection-sampling")
 def test_deterministic_drafts_match_one_hot_draft_probs():
     """draft_probs=None (an n-gram drafter) must equal passing the one-hots."""
     g = torch.Generator().manual_seed(5)
@@ -111,6 +116,8 @@ def chi_square(counts, probs):
 
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("case", ["random", "draft_equals_target", "draft_has_zeros", "deterministic"])
+@pytest.mark.assignment("rejection-sampling")
+@pytest.mark.needs("sampler")
 def test_every_position_follows_the_target_distribution(k, case):
     """100k trials of one verification pass: drafts sampled from p, the final
     token drawn by the engine's sampler. The token emitted at position i
@@ -152,6 +159,7 @@ def test_every_position_follows_the_target_distribution(k, case):
 
 # ---------------------------------------------------------------- the n-gram drafter
 
+@pytest.mark.assignment("ngram-drafter")
 def test_ngram_drafter_finds_the_most_recent_longest_match():
     d = NgramDrafter(n_max=3, n_min=1)
     assert d.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1], "most recent occurrence wins"
@@ -183,6 +191,8 @@ def assert_no_leak(llm):
         assert llm.drafter.bm.num_free_blocks == llm.drafter.bm.num_blocks, "draft cache leaked"
 
 
+@pytest.mark.assignment("ngram-drafter")
+@pytest.mark.needs("engine")
 def test_ngram_greedy_is_exact_and_accepts_copies(real_path, plain_outputs):
     llm = LLM(real_path, kv_cache_bytes=64 << 20, speculative="ngram", num_speculative_tokens=4)
     outs = llm.generate(PROMPTS, GREEDY)
@@ -193,6 +203,8 @@ def test_ngram_greedy_is_exact_and_accepts_copies(real_path, plain_outputs):
     assert_no_leak(llm)
 
 
+@pytest.mark.assignment("ngram-drafter")
+@pytest.mark.needs("engine")
 def test_ngram_greedy_is_exact_under_preemption(real_path, plain_outputs):
     llm = LLM(real_path, kv_cache_bytes=24 * 4 * 46080, block_size=4, speculative="ngram",
               num_speculative_tokens=3)
@@ -202,6 +214,7 @@ def test_ngram_greedy_is_exact_under_preemption(real_path, plain_outputs):
     assert_no_leak(llm)
 
 
+@pytest.mark.needs("engine", "sampler")
 def test_target_as_its_own_draft_accepts_everything(real_path, plain_outputs):
     llm = LLM(real_path, kv_cache_bytes=64 << 20, speculative=real_path, num_speculative_tokens=3)
     outs = llm.generate(PROMPTS[:2], GREEDY)
@@ -217,6 +230,7 @@ def bad_draft_path(tmp_path_factory, real_path):
                            tmp_path_factory.mktemp("bad_draft"), tokenizer_from=real_path)
 
 
+@pytest.mark.needs("engine", "sampler")
 def test_bad_draft_model_is_exact_and_rolls_back(real_path, plain_outputs, bad_draft_path):
     llm = LLM(real_path, kv_cache_bytes=64 << 20, speculative=bad_draft_path, num_speculative_tokens=3)
     outs = llm.generate(PROMPTS, GREEDY)
@@ -227,6 +241,7 @@ def test_bad_draft_model_is_exact_and_rolls_back(real_path, plain_outputs, bad_d
 
 # ------------------------------------------------------------- cache rollback
 
+@pytest.mark.needs("engine", "model", "sampler", "paged-attention")
 def test_cache_holds_exactly_the_accepted_tokens(tiny_path, bad_draft_path):
     """Mid-run, the target's paged cache of every running sequence must equal
     what the dense path computes from its accepted tokens alone."""
@@ -250,6 +265,8 @@ def test_cache_holds_exactly_the_accepted_tokens(tiny_path, bad_draft_path):
         assert torch.allclose(paged, dense, atol=1e-4)
 
 
+@pytest.mark.assignment("rejection-sampling")
+@pytest.mark.needs("engine", "sampler", "copy-on-write", "ngram-drafter")
 def test_sampled_speculation_with_forks_finishes_without_leaks(tiny_path):
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=5)
     p = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=0, ignore_eos=True, n=2)
@@ -261,6 +278,7 @@ def test_sampled_speculation_with_forks_finishes_without_leaks(tiny_path):
 
 # ------------------------------------------------------------------- bad input
 
+@pytest.mark.needs("kv-cache-bytes")
 def test_bad_speculative_configuration(tiny_path, tmp_path):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(tiny_path, kv_cache_bytes=1 << 20, speculative="ngram", num_speculative_tokens=0)
