@@ -892,6 +892,26 @@ def encode_prompt(prompt, tokenizer, vocab_size: int) -> list[int]:
     return ids
 
 
+def load_engine_model(path, device, dtype, quantization, tensor_parallel_size: int, compile: bool):
+    """The model the engine runs: (model, config, tp). tp is None for one
+    device; with N > 1 this process is rank 0 of a parallel.py group whose
+    workers hold the other slices, and model is rank 0's slice."""
+    tp = None
+    if tensor_parallel_size != 1:
+        if compile:
+            raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
+        tp = TensorParallelGroup(path, tensor_parallel_size, device, dtype, quantization)
+        model, config = tp.model, tp.full_config       # the group shards (and quantizes) on every rank
+    else:
+        model, config = load_model(path, device=device, dtype=dtype)
+        if quantization is not None:                   # int8 weights: a quarter of fp32's bytes per step
+            quantize_model(model, quantization)
+    if config.random_seed is not None:
+        print(f"nanoinfer: {path}: RANDOM weights (published shapes, seed {config.random_seed}): "
+              "timings are real, the text is noise")
+    return model, config, tp
+
+
 def resolve_device_dtype(device, dtype, quantization):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -922,8 +942,9 @@ class LLM:
       quantization="int8"    int8 weight-only linears (quantize.py); on CPU,
                              dtype "auto" then means bf16 activations
       kv_cache_dtype="int8"  the KV pool stores int8 + a scale per token and head
-      compile=True           pure decode steps through torch.compile with batch
-                             buckets (kernels.py; CUDA graphs on a GPU)
+      compile=True           steps of <= k+1 tokens per sequence (decodes,
+                             verifications) through one torch.compile'd block
+                             and padded buckets (kernels.py; CUDA graphs on a GPU)
       speculative="ngram" | draft model directory, num_speculative_tokens=k
       tensor_parallel_size=N every layer split over N devices (parallel.py):
                              N-1 worker processes; llm.close() stops them
@@ -938,20 +959,9 @@ class LLM:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.path = path or default_model_path()
-        self.tp = None                     # parallel.py: this process is rank 0 of N
-        if tensor_parallel_size != 1:
-            if compile:
-                raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
-            self.tp = TensorParallelGroup(self.path, tensor_parallel_size, self.device, self.dtype, quantization)
-            self.model, self.config = self.tp.model, self.tp.full_config
-        else:
-            self.model, self.config = load_model(self.path, device=self.device, dtype=self.dtype)
-        if quantization is not None and self.tp is None:   # int8 weights: a quarter of fp32's bytes per step
-            quantize_model(self.model, quantization)
+        self.model, self.config, self.tp = load_engine_model(self.path, self.device, self.dtype, quantization,
+                                                             tensor_parallel_size, compile)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_path(self.path))
-        if self.config.random_seed is not None:
-            print(f"nanoinfer: {self.path}: RANDOM weights (published shapes, seed {self.config.random_seed}): "
-                  "timings are real, the text is noise")
         scratch = 1 if compile else 0      # kernels.py: padded rows write into a block no sequence owns
         self.cache, num_blocks = make_kv_pool(
             self.tp.config if self.tp else self.config, self.dtype, self.device, block_size, kv_cache_bytes,
