@@ -211,7 +211,8 @@ def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs                                # mass strictly before each
         p = torch.tensor([top_p[i] for i in p_rows], device=logits.device, dtype=probs.dtype)
-        n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True)             # >= 1: the top token stays
+        n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)  # the top token always stays
+        # (clamp: a top_p below float32's smallest number, e.g. 1e-300, rounds to 0 above)
         logits[rows] = sub.masked_fill(sub < sorted_logits.gather(1, n_keep - 1), float("-inf"))
     return logits.softmax(dim=-1)
     # end assignment
@@ -1055,7 +1056,7 @@ class LLM:
                 return [r.output() for r in failed.values()]
             asks, rows = self._sample_requests(batch)             # who samples from which logits rows
             logits = self._forward(batch, rows)                   # 2. one pass over every scheduled token
-            new = sample_tokens(logits, [a for _, a in asks]) if asks else []   # 3. one wait for the device
+            new = self._sample(logits, asks, fail)                # 3. one wait for the device
         except Exception as e:                                    # no single request explains it
             print(f"nanoinfer: engine step failed: {e!r}", file=sys.stderr)
             self.block_manager.pending_copies.clear()
@@ -1065,6 +1066,24 @@ class LLM:
                 raise
             return [r.output() for r in failed.values()]
         return self._append_all(batch, asks, new, fail, failed)   # 4. append, stop, report
+
+    @staticmethod
+    def _sample(logits, asks, fail):
+        """One batched draw for every sequence. If it raises, no single request
+        is known to be the cause: sample each alone (the noise is a function of
+        the request, so the tokens are the same), and fail only those whose
+        own sampling raises."""
+        try:
+            return sample_tokens(logits, [a for _, a in asks]) if asks else []
+        except Exception:
+            new = []
+            for seq, ask in asks:
+                try:
+                    new += sample_tokens(logits, [ask])
+                except Exception as e:
+                    fail(seq.request, f"sampling failed: {type(e).__name__}: {e}")
+                    new.append(([], None, True))      # skipped by _append_all: its request failed
+            return new
 
     def _unschedulable(self, fail):
         """Nothing could run although requests wait: with nothing running, the
@@ -1119,6 +1138,8 @@ class LLM:
         stop strings, non-finite logits) fails only its request."""
         for item in batch:
             item.seq.num_computed = item.start + item.count
+            if item.seq.status != RUNNING:         # its request failed in this step: blocks freed
+                continue
             if not item.seq.draft_tokens:          # register full prompt blocks now: a request that
                 self.block_manager.cache_full_blocks(   # ends this step must still leave its prefix
                     item.seq.seq_id, item.seq.token_ids, item.seq.num_computed)

@@ -214,7 +214,8 @@ def run_beside(llm, bad_prompt, bad_params, steps_before=2):
 
 @pytest.mark.parametrize("bad", [dict(n=2, seed=2**64 - 1, temperature=1.0), dict(top_k=10**24, temperature=1.0),
                                  dict(seed=-2**63, temperature=1e-30), dict(temperature=1e6, top_p=1e-9),
-                                 dict(stop=["z" * 1024] * 16, max_tokens=5)])
+                                 dict(stop=["z" * 1024] * 16, max_tokens=5),
+                                 dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_p=5e-324, top_k=1)])
 @pytest.mark.needs("engine", "sampler", "copy-on-write", "stop-strings")
 def test_extreme_but_valid_params_run_beside_healthy_requests(tiny_path, bad):
     ref = healthy_alone(tiny_path)
@@ -279,6 +280,27 @@ def test_non_finite_logits_fail_only_their_request(tiny_path):
         h.remove()
     assert bad_seen and out.finish_reason == "error" and "non-finite" in out.error
     assert [o.token_ids for o in good] == ref
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine", "sampler")
+def test_a_sampler_error_fails_only_the_request_that_caused_it(tiny_path, monkeypatch):
+    """The batched draw raises because of one request's parameters (here a
+    filter that cannot take top_k=7): the step samples each request alone,
+    fails only that one, and the others get the tokens they get alone."""
+    import scheduler
+    ref = healthy_alone(tiny_path)
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    real = scheduler.filtered_probs
+
+    def picky(logits, temperature, top_k, top_p):
+        if 7 in top_k:
+            raise RuntimeError("this filter cannot take top_k=7")
+        return real(logits, temperature, top_k, top_p)
+    monkeypatch.setattr(scheduler, "filtered_probs", picky)
+    good, out = run_beside(llm, "x", SamplingParams(max_tokens=3, temperature=1.0, top_k=7))
+    assert [o.token_ids for o in good] == ref, "a healthy request changed because of another's sampling error"
+    assert out.finish_reason == "error" and "top_k=7" in out.error, out.error
     assert_no_leak(llm)
 
 
