@@ -274,19 +274,31 @@ def percentile(xs, p: float):
     return xs[max(0, min(len(xs) - 1, math.ceil(p / 100 * len(xs)) - 1))] if xs else float("nan")
 
 
+def start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
+    """Add `batch` requests of `context` random tokens and step until every
+    one has its first token (prefill done, maybe chunked): from then on each
+    step is a pure decode of `batch` tokens. A request that fails (the engine
+    isolates it) raises here, or the loop would wait for it forever."""
+    rng = random.Random(batch)
+    ids = [llm.add_request([rng.randrange(llm.config.vocab_size) for _ in range(context)],
+                           SamplingParams(max_tokens=steps + 64, ignore_eos=True)) for _ in range(batch)]
+    started = set()
+    while len(started) < batch:
+        for o in llm.step():
+            if o.error:
+                raise RuntimeError(f"bench: request {o.request_id} failed: {o.error}")
+            if o.outputs[0].token_ids:
+                started.add(o.request_id)
+    return ids
+
+
 def decode_step_seconds(b: Bench, llm, batch: int, context: int, steps: int) -> float:
     """Median time of one engine step with `batch` sequences decoding at
     ~`context` tokens each (prefill done first, not timed)."""
     # Random token ids are fine here: a step's cost depends on how many tokens
     # and how much context, never on which tokens (and ignore_eos keeps every
     # sequence alive for the whole measurement).
-    rng = random.Random(batch)
-    vocab = llm.config.vocab_size
-    ids = [llm.add_request([rng.randrange(vocab) for _ in range(context)],
-                           SamplingParams(max_tokens=steps + 64, ignore_eos=True)) for _ in range(batch)]
-    started = set()
-    while len(started) < batch:                           # prefill (maybe chunked) until all decode
-        started |= {o.request_id for o in llm.step() if o.outputs[0].token_ids}
+    ids = start_decoding(llm, batch, context, steps)
     t = b.timeit(llm.step, steps, warmup=2)   # every timed step is a pure decode of `batch` tokens
     for rid in ids:                           # give the blocks back for the next measurement
         llm.abort(rid)
@@ -361,12 +373,7 @@ def step_and_forward_seconds(b: Bench, llm, batch: int, context: int, steps: int
     runs it), so both see the same machine: a shared machine's noise hits them
     alike. The gap between them is the engine's own work. Returns the medians
     and the fastest runs (noise only adds time: the fastest is the best estimate)."""
-    rng = random.Random(batch)
-    ids = [llm.add_request([rng.randrange(llm.config.vocab_size) for _ in range(context)],
-                           SamplingParams(max_tokens=steps + 64, ignore_eos=True)) for _ in range(batch)]
-    started = set()
-    while len(started) < batch:                    # prefill (maybe chunked) until all decode
-        started |= {o.request_id for o in llm.step() if o.outputs[0].token_ids}
+    ids = start_decoding(llm, batch, context, steps)
     times = {"step": [], "forward": []}
     for i in range(steps + 2):                     # the first two are warm-up
         with torch.inference_mode():

@@ -169,10 +169,21 @@ def _text(report) -> str:
     return "\n".join([report.longreprtext] + [content for _, content in report.sections])
 
 
+def pytest_runtest_setup(item):
+    """A test that needs an unfinished assignment is not run at all: blocked
+    (it could only fail, or wait for results that never come)."""
+    needed = set(assignments.expand(_marked(item, "needs"))) & UNFINISHED
+    if needed:
+        pytest.skip("blocked by " + ", ".join(sorted(needed)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     report.assignment_status = ("passed" if report.passed else "skipped", [], False)
+    needed = set(assignments.expand(_marked(item, "needs"))) & UNFINISHED
+    if report.skipped and needed and call.when == "setup":    # skipped above, before it ran
+        report.assignment_status = ("blocked", sorted(needed), True)
     if not report.failed:
         return
     own, text = set(_marked(item, "assignment")), _text(report)
