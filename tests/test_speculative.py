@@ -293,3 +293,105 @@ def test_bad_speculative_configuration(tiny_path, tmp_path):
     with pytest.raises(ValueError, match="different vocabulary"):
         LLM(tiny_path, kv_cache_bytes=1 << 20, speculative=other)
     assert os.path.isdir(other)
+
+
+# ---- paths the rest of this file does not reach
+
+# Prompts on which the tiny model's greedy continuation repeats itself, so
+# prompt lookup drafts and some drafts get accepted.
+LOOPY = ["a a a a b b b b a a a a b b", "one two one two one two", "x y z x y z x y"]
+LOOPY_GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def record_steps(monkeypatch, llm):
+    """Spy on the engine's append phase: per step, (request id, drafts verified,
+    the tokens the sampler emitted for it) for every sequence that sampled."""
+    steps, append_all = [], llm._append_all
+
+    def spy(batch, asks, new, fail, failed):
+        steps.append([(seq.request.request_id, len(ask.drafts), list(tokens))
+                      for (seq, ask), (tokens, _, _) in zip(asks, new)])
+        return append_all(batch, asks, new, fail, failed)
+    monkeypatch.setattr(llm, "_append_all", spy)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def loopy_plain(tiny_path):
+    return [o.token_ids for o in LLM(tiny_path, kv_cache_bytes=4 << 20).generate(LOOPY, LOOPY_GREEDY)]
+
+
+@pytest.mark.needs("engine", "ngram-drafter", "stop-strings")
+def test_a_stop_inside_a_verified_run_drops_the_tokens_after_it(tiny_path, loopy_plain, monkeypatch):
+    """A verification step can emit several tokens (accepted drafts + one).
+    When a stop string completes at one of them that is not the step's last,
+    the tokens after it are dropped: the output is the plain greedy run's cut
+    at that token, the text ends before the stop string, the other requests
+    of the batch are untouched, and every block comes back."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=4)
+    steps = record_steps(monkeypatch, llm)
+    rids = [llm.add_request(p, LOOPY_GREEDY) for p in LOOPY]
+    while llm.has_unfinished_requests():
+        llm.step()
+    emitted = {rid: [] for rid in rids}
+    for step in steps:
+        for rid, _, tokens in step:
+            emitted[rid].append(tokens)
+    assert [sum(emitted[r], []) for r in rids] == loopy_plain, "speculation changed the greedy tokens"
+    # A stop string that first completes at token e of the plain output, where
+    # e is not the last token its verification step emitted: the text of the
+    # last few tokens up to e, found nowhere earlier in the text.
+    decode = llm.tokenizer.decode
+    choice = None
+    for i, rid in enumerate(rids):
+        pos = 0
+        for tokens in emitted[rid]:
+            for e in range(pos, pos + len(tokens) - 1):
+                text = decode(loopy_plain[i][:e + 1])
+                for back in (1, 2, 3, 4):
+                    stop = text[len(decode(loopy_plain[i][:max(0, e + 1 - back)])):]
+                    if choice is None and stop.strip() and "\ufffd" not in text and text.find(stop) == len(text) - len(stop):
+                        choice = (i, stop, e, text[:len(text) - len(stop)])
+            pos += len(tokens)
+    assert choice is not None, "no verification step emitted two tokens: the test needs accepted drafts"
+    i, stop, e, text = choice
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=4)
+    steps = record_steps(monkeypatch, llm)
+    params = [LOOPY_GREEDY] * len(LOOPY)
+    params[i] = SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop])
+    outs = llm.generate(LOOPY, params)
+    assert outs[i].finish_reason == "stop" and outs[i].token_ids == loopy_plain[i][:e + 1], \
+        f"the output must end at token {e} of the plain run, where the stop string {stop!r} completes"
+    assert outs[i].text == text, "the text ends just before the stop string"
+    assert [o.token_ids for j, o in enumerate(outs) if j != i] == [t for j, t in enumerate(loopy_plain) if j != i]
+    last = [tokens for step in steps for rid, _, tokens in step if rid == outs[i].request_id][-1]
+    assert len(outs[i].token_ids) < len(sum([t for step in steps for rid, _, t in step
+                                             if rid == outs[i].request_id], [])), \
+        f"the stop must fall before the last token of its step (the step emitted {len(last)})"
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine", "ngram-drafter")
+def test_drafts_beyond_the_token_budget_are_dropped_and_output_is_exact(tiny_path, loopy_plain, monkeypatch):
+    """With max_num_batched_tokens = 5 = k + 1 and five sequences decoding, a
+    sequence whose 1 + drafts verification tokens no longer fit the step's
+    budget drops its drafts and decodes one token (or waits for the next step
+    once the budget is spent). The greedy output is still exactly the plain
+    run's, no step goes over the budget, and nothing leaks."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=4,
+              max_num_batched_tokens=5)
+    schedule, dropped, spent = llm.scheduler.schedule, [], []
+
+    def spy():
+        before = {s.seq_id: len(s.draft_tokens) for s in llm.scheduler.running}
+        out = schedule()
+        dropped.extend(it.seq.seq_id for it in out if before.get(it.seq.seq_id) and not it.seq.draft_tokens)
+        spent.append(sum(it.count for it in out))
+        return out
+    monkeypatch.setattr(llm.scheduler, "schedule", spy)
+    outs = llm.generate(LOOPY + ["a b a b a b a b", "c d c d"], LOOPY_GREEDY)
+    assert [o.token_ids for o in outs[:3]] == loopy_plain, "dropping drafts must not change a greedy output"
+    assert dropped, "no sequence ever had its drafts dropped: the budget was never short"
+    assert max(spent) <= 5, f"a step scheduled {max(spent)} tokens over the budget of 5"
+    assert llm.stats["accepted_tokens"] > 0
+    assert_no_leak(llm)
