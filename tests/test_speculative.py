@@ -395,3 +395,74 @@ def test_drafts_beyond_the_token_budget_are_dropped_and_output_is_exact(tiny_pat
     assert max(spent) <= 5, f"a step scheduled {max(spent)} tokens over the budget of 5"
     assert llm.stats["accepted_tokens"] > 0
     assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine", "ngram-drafter")
+def test_a_drafter_that_raises_fails_only_the_requests_whose_drafts_raise(tiny_path, loopy_plain, monkeypatch):
+    """The drafter is asked for every sequence at once; if that raises, each
+    request is retried alone and only those whose own drafting raises fail
+    (finish_reason "error", the message says drafting failed). The others
+    keep their exact greedy tokens, and every block comes back."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=4)
+    poison = llm.tokenizer.encode("zebra crossing", allow_special=True)
+    propose = llm.drafter.propose
+
+    def flaky(requests, sample_fn=None):
+        if any(tokens[:len(poison)] == poison for _, tokens, _ in requests):
+            raise RuntimeError("the drafter choked")
+        return propose(requests, sample_fn)
+    monkeypatch.setattr(llm.drafter, "propose", flaky)
+    outs = llm.generate(LOOPY + ["zebra crossing zebra crossing"], LOOPY_GREEDY)
+    assert [o.token_ids for o in outs[:3]] == loopy_plain, "the healthy requests must not notice"
+    assert outs[3].finish_reason == "error" and "drafting failed" in outs[3].error and "choked" in outs[3].error
+    assert_no_leak(llm)
+
+
+def greedy_draft_sample(logits, idx, step):
+    """A sample_fn for ModelDrafter.propose: the argmax, as one-hot probabilities."""
+    tokens = logits.argmax(-1)
+    return tokens.tolist(), torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+
+
+@pytest.mark.needs("model", "paged-attention", "block-allocation", "decode-attention")
+def test_model_drafter_drafts_the_draft_models_greedy_tokens_and_fewer_when_its_pool_is_full():
+    """ModelDrafter with its own paged cache: every request's drafts are the
+    draft model's own greedy continuation (the dense path is the reference),
+    each request stops at its own k, a request the draft pool cannot hold gets
+    fewer drafts (none here) instead of an error, and rollback / release give
+    the blocks back."""
+    from kernels import StepInputs
+    from model import generate
+    from speculative import ModelDrafter
+    draft = tiny_model(seed=4)
+    drafter = ModelDrafter(draft, num_blocks=4, block_size=4, device=torch.device("cpu"), dtype=torch.float32,
+                           make_inputs=lambda bm: StepInputs(bm, torch.device("cpu")))
+    a, b, c = [5, 9, 2, 7, 7, 1], [3, 3, 4, 8, 1], list(range(20, 31))        # 6 + 3 and 5 + 1 tokens: 4 blocks
+    out = drafter.propose([(0, a, 3), (1, b, 1), (2, c, 2)], greedy_draft_sample)
+    assert out[0][0] == generate(draft, a, 3) and out[1][0] == generate(draft, b, 1), \
+        "the drafts must be the draft model's greedy tokens, k of them per request"
+    assert out[0][1].shape == (3, draft.config.vocab_size)
+    assert out[2] == ([], None), "a request whose tokens do not fit the draft pool gets no drafts"
+    drafter.rollback(0, 6)                    # the target rejected all of a's drafts
+    assert drafter.computed[0] == 6 and len(drafter.bm.tables[0]) == 2
+    out = drafter.propose([(0, a + [4], 2)], greedy_draft_sample)   # resumes from the rolled-back cache
+    assert out[0][0] == generate(draft, a + [4], 2)
+    for sid in (0, 1, 2):
+        drafter.release(sid)
+    assert drafter.bm.num_free_blocks == 4 and not drafter.bm.tables
+
+
+@pytest.mark.needs("engine", "sampler", "rejection-sampling")
+def test_sampled_drafts_of_the_target_itself_are_always_accepted(tiny_path):
+    """Sampling (temperature 0.8) with the target as its own draft model: the
+    draft distribution p equals the target's q, so min(1, q/p) = 1 and every
+    draft is accepted. Passing the draft's probabilities to the rejection rule
+    is what makes it so: treated as one-hot, a draft would be accepted with
+    probability q(x) only."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative=tiny_path, num_speculative_tokens=3)
+    outs = llm.generate(["sampled self drafting", "another one"],
+                        SamplingParams(max_tokens=16, temperature=0.8, seed=1, ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in outs)
+    assert llm.stats["draft_tokens"] > 10 and llm.stats["accepted_tokens"] == llm.stats["draft_tokens"], \
+        f"accepted {llm.stats['accepted_tokens']} of {llm.stats['draft_tokens']} drafts of a perfect draft model"
+    assert_no_leak(llm)
