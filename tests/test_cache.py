@@ -566,3 +566,23 @@ def test_block_manager_against_a_model_of_the_pool():
     assert bm.num_free_blocks == pool and not any(bm.ref_count) and not bm.tables and not bm.pending_copies, \
         "blocks leaked after every sequence was freed"
     assert min(counts.values()) > 0, f"the random run missed an operation: {counts}"
+
+
+@pytest.mark.assignment("block-allocation", "copy-on-write")
+def test_more_misuse_fails_loudly_and_changes_nothing():
+    """A pool of no blocks, forking into a sequence that already has blocks,
+    and taking a block from an empty free list (the scheduler's job to
+    prevent) each raise with a message saying what went wrong, and a refused
+    fork leaves the tables and counts as they were."""
+    with pytest.raises(ValueError, match="no blocks"):
+        BlockManager(num_blocks=0, block_size=4)
+    bm = BlockManager(num_blocks=2, block_size=4)
+    bm.allocate(1, [1, 2, 3])
+    bm.append_slots(1, 0, 3)
+    bm.allocate(2, [4])
+    bm.append_slots(2, 0, 1)
+    with pytest.raises(ValueError, match="sequence 2 already has blocks"):
+        bm.fork(1, 2)
+    assert bm.tables == {1: [0], 2: [1]} and bm.ref_count == [1, 1], "a refused fork must change nothing"
+    with pytest.raises(RuntimeError, match="out of blocks"):
+        bm._take_free()

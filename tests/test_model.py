@@ -996,3 +996,51 @@ def test_read_only_cache_holding_the_model_is_used(cache, monkeypatch):
     (root / ".convert-12345-abcdef01").mkdir()
     read_only(monkeypatch, root)
     assert model_mod.default_model_path() == path and len(calls) == 1
+
+
+# ---- paths the rest of this file does not reach
+
+def test_gguf_files_the_converter_cannot_convert_are_refused(tmp_path):
+    """A GGUF of another architecture, and a Llama GGUF holding a tensor the
+    converter has no Hugging Face name for (a fused qkv, as other
+    architectures ship), are refused naming the file's problem, before
+    anything is written."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from model import convert_gguf
+
+    def write(name, arch, tensors):
+        w = GGUFWriter(str(tmp_path / name), arch)
+        for add, value in [(w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 8),
+                           (w.add_feed_forward_length, 16), (w.add_head_count, 2), (w.add_head_count_kv, 2)]:
+            add(value)
+        for tname, shape in tensors:
+            w.add_tensor(tname, np.zeros(shape, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(tmp_path / name)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not llama"):
+        convert_gguf(write("gpt2.gguf", "gpt2", [("token_embd.weight", (4, 8))]), str(out))
+    with pytest.raises(ValueError, match="'blk.0.attn_qkv.weight' has no Llama counterpart"):
+        convert_gguf(write("fused.gguf", "llama", [("token_embd.weight", (4, 8)), ("blk.0.attn_qkv.weight", (24, 8))]),
+                     str(out))
+    assert os.listdir(out) == [], "a refused conversion must leave nothing behind"
+
+
+def test_configs_of_other_model_families_are_refused_naming_the_field():
+    """config.json must be a JSON object, and a Llama: a gelu MLP or an MLP
+    with biases (other families' choices) is refused naming the field."""
+    good = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+    ModelConfig.from_hf(good)
+    with pytest.raises(ValueError, match="must be a JSON object, got list"):
+        ModelConfig.from_hf([good])
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        ModelConfig.from_hf({**good, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_hf({**good, "mlp_bias": True})
