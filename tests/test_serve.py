@@ -910,3 +910,58 @@ def test_command_line_one_shot_prints_the_offline_answer(tiny_path, offline, cap
         want = offline.generate([ids], SamplingParams(max_tokens=9))[0].text
         printed = capsys.readouterr().out
         assert printed.endswith(want + "\n") and "serving" not in printed, (chat, printed[-200:], want)
+
+
+@pytest.mark.needs("engine")
+def test_invalid_server_limits_are_refused_and_leave_no_engine_thread(small_llm):
+    """make_server checks every limit before serving: a zero, negative or
+    boolean limit is a ValueError naming it, and the engine thread it had
+    already started is stopped (nothing left running on the LLM)."""
+    def engine_threads():
+        return [t for t in threading.enumerate() if t.name == "nanoinfer-engine" and t.is_alive()]
+    before = len(engine_threads())
+    for limits, name in [({"max_body_bytes": 0}, "max_body_bytes"), ({"header_timeout": True}, "header_timeout"),
+                         ({"max_connections": -1}, "max_connections"), ({"max_request_tokens": 0}, "max_request_tokens")]:
+        with pytest.raises(ValueError, match=f"{name} must be a positive number"):
+            make_server(small_llm, "127.0.0.1", 0, **limits)
+    assert len(engine_threads()) == before, "a refused server must stop the engine thread it started"
+
+
+@pytest.mark.needs("engine")
+def test_a_bug_in_a_handler_answers_500_without_a_traceback_and_serving_goes_on(small_llm, monkeypatch):
+    """An unexpected exception while handling a request (a server bug) is
+    answered with a 500 error object, never a traceback, and the next
+    request is served normally."""
+    import serve
+    parse = serve.parse_request
+
+    def buggy(llm, body, chat, *a, **kw):
+        if body.get("prompt") == "trigger":
+            raise RuntimeError("boom at line 42")
+        return parse(llm, body, chat, *a, **kw)
+    monkeypatch.setattr(serve, "parse_request", buggy)
+    with serving(small_llm) as srv:
+        err = assert_error(*request(srv, "POST", "/v1/completions", {"prompt": "trigger", "max_tokens": 2}), 500)
+        assert err["message"] == "internal server error" and "boom" not in err["message"]
+        status, out = request(srv, "POST", "/v1/completions", {"prompt": "fine", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+        srv.engine.start_draining()              # from now on the engine itself refuses new requests
+        with pytest.raises(serve.APIError) as refused:
+            srv.engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+        assert refused.value.status == 503 and refused.value.code == "server_shutting_down"
+
+
+@pytest.mark.needs("engine")
+def test_chat_content_as_text_parts_equals_the_joined_string(server):
+    """Newer clients send a message's content as a list of {"type": "text"}
+    parts: the answer equals the one for the joined string; a part that is
+    not text is refused with a 400 naming messages."""
+    ask = lambda content: request(server, "POST", "/v1/chat/completions",   # noqa: E731
+                                  {"messages": [{"role": "user", "content": content}], "max_tokens": 6,
+                                   "temperature": 0})
+    status, whole = ask("What is the capital of France?")
+    assert status == 200, whole
+    status, parts = ask([{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}])
+    assert status == 200 and parts["choices"][0]["message"] == whole["choices"][0]["message"]
+    assert parts["usage"] == whole["usage"]
+    assert_error(*ask([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]), 400, param="messages")
