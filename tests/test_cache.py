@@ -568,7 +568,8 @@ def test_block_manager_against_a_model_of_the_pool():
     assert min(counts.values()) > 0, f"the random run missed an operation: {counts}"
 
 
-@pytest.mark.assignment("block-allocation", "copy-on-write")
+@pytest.mark.assignment("block-allocation")
+@pytest.mark.needs("prefix-caching")
 def test_more_misuse_fails_loudly_and_changes_nothing():
     """A pool of no blocks, forking into a sequence that already has blocks,
     and taking a block from an empty free list (the scheduler's job to

@@ -424,7 +424,7 @@ def greedy_draft_sample(logits, idx, step):
     return tokens.tolist(), torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
 
 
-@pytest.mark.needs("model", "paged-attention", "block-allocation", "decode-attention")
+@pytest.mark.needs("model", "kv-cache-bytes", "paged-attention", "block-allocation", "decode-attention")
 def test_model_drafter_drafts_the_draft_models_greedy_tokens_and_fewer_when_its_pool_is_full():
     """ModelDrafter with its own paged cache: every request's drafts are the
     draft model's own greedy continuation (the dense path is the reference),

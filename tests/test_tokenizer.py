@@ -199,7 +199,7 @@ def test_other_pre_tokenizer_descriptions_give_the_reference_ids(real_path, tmp_
         Tokenizer.from_pretrained(tokenizer_variant(real_path, tmp_path / "ws", pre_tokenizer={"type": "Whitespace"}))
 
 
-@pytest.mark.assignment("bpe")
+@pytest.mark.needs("bpe")
 def test_tokenizers_that_are_not_byte_level_bpe_or_chatml_are_refused(real_path, tmp_path):
     """A Unigram (or WordPiece) tokenizer.json is refused when loaded, naming
     its type; a chat template that is not ChatML is refused when used."""
