@@ -165,7 +165,7 @@ class Bench:
         # a lecture-scale preset for timing (see the module docstring).
         self.quality_path = args.model or default_model_path()
         self.path, self.scale = self.quality_path, "--model" if args.model else "the default model"
-        if args.model is None and self.device.type == "cuda" and not self.quick:
+        if args.model is None and self.device.type == "cuda" and not self.quick:  # pragma: no cover (CUDA)
             picked, why = pick_timing_model(torch.cuda.mem_get_info(self.device)[0], self.torch_dtype)
             self.path, self.scale = picked or self.path, why
         self.machine = {}                      # bandwidth and FLOP/s, measured once
@@ -196,13 +196,13 @@ class Bench:
         # at once. The smoke run's is small: zeroing 1 GiB costs ~1 s per engine here.
         kw.setdefault("kv_cache_bytes", GPU_POOL if self.device.type == "cuda" else self.q(CPU_POOL, CPU_POOL // 8))
         gc.collect()                       # engines hold reference cycles: free the last one's pool first
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # pragma: no cover (CUDA)
             torch.cuda.empty_cache()
         with contextlib.redirect_stdout(io.StringIO()):
             return LLM(self.note(path or self.path), **kw)
 
     def sync(self):
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # pragma: no cover (CUDA)
             torch.cuda.synchronize()
 
     def timeit(self, fn, repeats: int, warmup: int = 1) -> float:

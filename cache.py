@@ -360,6 +360,8 @@ class BlockManager:
                 table[i] = new
                 self._touch(seq_id)
                 # end assignment
+            elif table[i] in self.block_key:         # a registered block rewritten in place: truncate() kept it
+                self._forget(table[i])               # while shared, then its sharers left; it names that prefix no more
         # assignment: block-allocation
         if len(table) * bs < start + count:
             self._touch(seq_id)

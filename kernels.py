@@ -521,7 +521,7 @@ class LayerContext:
     def __init__(self, cache, slot_mapping, block_tables, q_pos):
         self.cache, self.slot_mapping, self.block_tables, self.q_pos = cache, slot_mapping, block_tables, q_pos
 
-    def attend(self, layer: int, q, k, v):
+    def attend(self, layer: int, q, k, v):  # pragma: no cover (runs only inside torch.compile's trace)
         self.cache.write(0, self.slot_mapping, k, v)                  # write first: a token sees itself
         B, Q = self.q_pos.shape
         out = paged_attention_in_place(q.view(B, Q, *q.shape[1:]), self.cache, 0, self.block_tables, self.q_pos)
@@ -536,11 +536,11 @@ class StepLayers:
         self.layers, self.logits_indices = layers, None
 
 
-def _block(block, x, cos, sin, ctx):                 # the region torch.compile sees: one block
+def _block(block, x, cos, sin, ctx):  # pragma: no cover (compiled: the region torch.compile sees, one block)
     return block(x, cos, sin, ctx)
 
 
-def _head(lm_head, x):                               # and the LM head (int8 fuses there too)
+def _head(lm_head, x):  # pragma: no cover (compiled: the LM head; int8 fuses there too)
     return lm_head(x)
 
 
@@ -685,11 +685,11 @@ class CompiledDecoder:
 
     def _run(self, key):
         if key in self.graphs:
-            self.graphs[key].replay()
+            self.graphs[key].replay()  # pragma: no cover (CUDA graphs)
         else:
             self._forward(key)
 
-    def _record(self, key):
+    def _record(self, key):  # pragma: no cover (CUDA graphs)
         """CUDA: record bucket `key`'s step as a CUDA graph. By hand rather than
         with mode="reduce-overhead": that mode records per compiled region,
         and with one region per block a step would be 31 replays, each with
@@ -712,7 +712,7 @@ class CompiledDecoder:
         (quantize.py), whose two sides the extremes reach; every bucket would
         cost minutes here (a batch-64 step alone takes about a second).
         """
-        if self.cuda:
+        if self.cuda:  # pragma: no cover (CUDA: every bucket is a graph)
             keys = itertools.product(self.query_sizes, self.batch_sizes, self.widths)
             return sorted(keys, key=lambda k: -k[0] * k[1] * k[2])
         lo, hi = self.widths[0], self.widths[-1]
@@ -726,16 +726,16 @@ class CompiledDecoder:
         t0 = time.perf_counter()
         if self.warm:
             for graph in self.graphs.values():
-                graph.replay()
+                graph.replay()  # pragma: no cover (CUDA graphs)
         else:
             empty = np.zeros(0, dtype=np.int64)
             for key in self.warmup_buckets():
                 self._load(key, empty, empty, empty, np.zeros((0, 1), np.int64), empty)
-                if self.cuda:
+                if self.cuda:  # pragma: no cover (CUDA graphs)
                     self._record(key)
                 else:
                     self._forward(key)
             self.warm = True
-        if self.cuda:
+        if self.cuda:  # pragma: no cover (CUDA)
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

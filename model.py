@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 try:
     import fcntl          # flock, for the conversion lock (POSIX only)
-except ImportError:       # Windows: see _conversion_lock
+except ImportError:  # pragma: no cover (Windows: see _conversion_lock)
     fcntl = None
 
 
@@ -886,7 +886,7 @@ def _conversion_lock(root: str, wait: bool):
     implements flock with NFS byte-range locks). Without fcntl (Windows)
     there is no lock: conversions run side by side and nothing is cleaned.
     """
-    if fcntl is None:
+    if fcntl is None:  # pragma: no cover (Windows)
         yield wait
         return
     lock = os.path.join(root, LOCK_FILE)

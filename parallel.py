@@ -433,7 +433,7 @@ class _Spec:
 
 
 def _device(spec: _Spec, local_rank: int) -> torch.device:
-    if spec.device_type == "cuda":
+    if spec.device_type == "cuda":  # pragma: no cover (CUDA)
         torch.cuda.set_device(local_rank)          # NCCL and new tensors use this GPU
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

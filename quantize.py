@@ -117,7 +117,7 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
         # end assignment
 
-    def _fused(self, x):
+    def _fused(self, x):  # pragma: no cover (compiled code only: see the last line of the docstring)
         """gpt-fast's int8 decode: a product the compiler turns into ONE kernel.
 
         Written as elementwise multiply + sum, the int8 -> float conversion

@@ -323,9 +323,10 @@ def fetch(*tensors) -> list:
     """Device -> host lists with ONE wait: the step's only synchronization."""
     if not tensors or tensors[0].device.type == "cpu":
         return [t.tolist() for t in tensors]
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return [h.tolist() for h in host]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # pragma: no cover (CUDA)
+            for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()  # pragma: no cover (CUDA)
+    return [h.tolist() for h in host]  # pragma: no cover (CUDA)
 
 
 # ----------------------------------------------------------------------------
@@ -847,7 +848,7 @@ def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cac
     int8_kv = kv_cache_dtype == "int8"
     per_token = int8_kv_cache_bytes(cfg) if int8_kv else kv_cache_bytes(cfg, dtype)
     if budget is None:
-        if device.type == "cuda":       # most of what the weights left free
+        if device.type == "cuda":  # pragma: no cover (CUDA: most of what the weights left free)
             budget = int(0.8 * torch.cuda.mem_get_info(device)[0])
         else:
             budget = 1 << 30            # 1 GiB on CPU; set kv_cache_bytes to change it

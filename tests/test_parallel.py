@@ -401,3 +401,43 @@ def test_cost_arithmetic_on_llama_8b_shapes():
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t is not model.inv_freq}
     measured = sum(t.numel() * t.element_size() for t in tensors.values())
     assert weight_bytes_per_rank(LLAMA_8B, 4, 2) == measured
+
+
+# ---- paths the rest of this file does not reach
+
+@pytest.mark.needs("model", "tensor-parallel")
+def test_joining_torchruns_group_serves_from_rank_0_and_leaves_its_group(tiny_dir, monkeypatch):
+    """Under torchrun (WORLD_SIZE, RANK and the rendezvous in the
+    environment) the group joins the existing process group instead of
+    spawning workers: a WORLD_SIZE other than tensor_parallel_size is refused
+    naming both; with a group the script already initialized, rank 0's logits
+    equal the unsharded model's and close() leaves the script's group alone;
+    without one, it makes the group and destroys it on close()."""
+    import socket
+    close_groups()                                      # this process may hold one group at a time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 but torchrun started WORLD_SIZE=2"):
+        TensorParallelGroup(tiny_dir, 1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ref, ids = reference(tiny_dir), torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    dist.init_process_group("gloo")                     # what the user's script did under torchrun
+    try:
+        group = TensorParallelGroup(tiny_dir, 1)
+        assert not group.procs, "under torchrun nothing is spawned"
+        torch.testing.assert_close(group.forward(ids, torch.arange(8)), ref(ids, torch.arange(8)), atol=1e-5, rtol=0)
+        group.close()
+        assert dist.is_initialized(), "close() must not destroy a group the script made"
+    finally:
+        dist.destroy_process_group()
+    group = TensorParallelGroup(tiny_dir, 1)            # no group yet: the group makes (and owns) it
+    torch.testing.assert_close(group.forward(ids, torch.arange(8)), ref(ids, torch.arange(8)), atol=1e-5, rtol=0)
+    for bad in [(0, 4), (8, 4, "int4")]:
+        with pytest.raises(ValueError, match="need num_blocks >= 1 and kv_cache_dtype None or 'int8'"):
+            group.allocate_cache(*bad)
+    group.close()
+    assert not dist.is_initialized(), "a group it made itself must be destroyed on close()"

@@ -191,3 +191,19 @@ def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, 
         total += 16
     assert shared / total > 0.6, f"int8 greedy shares only {shared}/{total} tokens with float"
     assert math.isfinite(ppl_int8)
+
+
+# ---- paths the rest of this file does not reach
+
+@pytest.mark.needs("int8")
+def test_int8_misuse_is_refused_and_layers_say_what_they_are():
+    """An int8 KV pool of no blocks and a perplexity over fewer than two
+    tokens are refused with a message; an Int8Linear's repr names its shape
+    and int8, as nn.Linear's does."""
+    from quantize import perplexity
+    with pytest.raises(ValueError, match="too small for a single block"):
+        Int8KVCache(tiny_config(), 0, 16, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="at least two tokens"):
+        perplexity(tiny_model(), [5])
+    layer = Int8Linear(torch.nn.Linear(16, 8, bias=False))
+    assert "in_features=16, out_features=8, int8" in repr(layer)

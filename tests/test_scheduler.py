@@ -649,3 +649,136 @@ def test_scheduler_preempts_the_newest_sequence(real_tokenizer):
     assert seqs[2].status == "waiting" and sched.waiting[0] is seqs[2], "newest goes back to the front"
     assert seqs[0].status == "running"
     assert seqs[2].num_computed == 0 and len(seqs[2].token_ids) == 5, "generated tokens are kept for recompute"
+
+
+# ---- paths the rest of this file does not reach
+
+@pytest.mark.needs("engine")
+def test_bad_engine_arguments_fail_with_a_message_naming_them(tiny_path):
+    """Every argument LLM and generate check fails at once with an error that
+    names it, and leaves the engine as it was; a single string prompt and a
+    single stop string are accepted as one-element lists."""
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, max_num_batched_tokens=True)
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, dtype="float8")
+    with pytest.raises(ValueError, match="compile=True with tensor_parallel_size"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, compile=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_cache_bytes=100 is too small"):
+        LLM(tiny_path, kv_cache_bytes=100)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be None"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, kv_cache_dtype="int4")
+    llm = LLM(tiny_path, kv_cache_bytes=1 << 20)
+    with pytest.raises(TypeError, match="a prompt is a string or a list of token ids"):
+        llm.add_request({"text": "hi"})
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        llm.add_request("hi", {"max_tokens": 3})
+    llm.add_request("hi", SamplingParams(max_tokens=1), request_id="same")
+    with pytest.raises(ValueError, match="request id 'same' is already in use"):
+        llm.add_request("hello", SamplingParams(max_tokens=1), request_id="same")
+    llm.abort("same")
+    with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):
+        llm.generate(["a", "b"], [SamplingParams()] * 3)
+    assert not llm.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    one = llm.generate("the one prompt", SamplingParams(max_tokens=4, ignore_eos=True, stop="never there"))
+    assert len(one) == 1 and one[0].token_ids == dense_generate(llm.model, llm.tokenizer.encode("the one prompt"), 4)
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine")
+def test_a_request_that_can_never_be_scheduled_fails_instead_of_spinning(tiny_path):
+    """If nothing runs and the oldest waiting request still cannot be
+    scheduled (here: every block is held outside the scheduler), the step
+    fails that request with a message saying so rather than looping forever;
+    once the blocks are back the engine serves exactly again."""
+    llm = LLM(tiny_path, kv_cache_bytes=1 << 20, block_size=4)
+    bm = llm.block_manager
+    bm.allocate(-1, [1])
+    bm.reserve(-1, 0, bm.num_blocks * 4)                     # a phantom owner of the whole pool
+    out = llm.generate(["stranded"], SamplingParams(max_tokens=3))[0]
+    assert out.finish_reason == "error" and "cannot be scheduled even in an empty engine" in out.error, out.error
+    bm.free(-1)
+    prompt = llm.tokenizer.encode("stranded")
+    assert llm.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids == \
+        dense_generate(llm.model, prompt, 3)
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine")
+def test_a_lost_tensor_parallel_worker_fails_the_step_and_is_raised(tiny_path, monkeypatch):
+    """A TensorParallelError (a worker died: nothing can run any more) fails
+    the step's requests like any step error, frees their blocks, and is
+    raised to the caller instead of being swallowed."""
+    from parallel import TensorParallelError
+    llm = LLM(tiny_path, kv_cache_bytes=1 << 20)
+
+    def dead(*a, **kw):
+        raise TensorParallelError("rank 1 (pid 4242) exited")
+    monkeypatch.setattr(llm.model, "forward", dead)
+    rid = llm.add_request("doomed", SamplingParams(max_tokens=3))
+    with pytest.raises(TensorParallelError, match="rank 1"):
+        llm.step()
+    assert rid not in llm.requests
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@pytest.mark.needs("engine", "copy-on-write")
+def test_a_failure_in_one_sample_fails_its_siblings_in_the_same_step(tiny_path, monkeypatch):
+    """n = 2: when the first sample's text fails, the request fails as a
+    whole, and its second sample, sampled in that same step, is skipped
+    instead of appended to a finished request; the healthy request goes on."""
+    from tokenizer import IncrementalDecoder
+    ref = healthy_alone(tiny_path)
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    push = IncrementalDecoder.push
+
+    def broken(self, token):
+        if getattr(self, "poisoned", False):
+            raise UnicodeError("cannot decode this token")
+        return push(self, token)
+    monkeypatch.setattr(IncrementalDecoder, "push", broken)
+    good = [llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in HEALTHY]
+    bad = llm.add_request("twins", SamplingParams(max_tokens=8, n=2, temperature=0.7, seed=0))
+    llm.requests[bad].seqs[0].decoder.poisoned = True
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step() if o.finished})
+    assert [done[r].token_ids for r in good] == ref
+    assert done[bad].finish_reason == "error" and "cannot decode" in done[bad].error
+    assert [c.finish_reason for c in done[bad].outputs] == ["error", "error"]
+    assert done[bad].outputs[1].token_ids == [], "the sibling must not append a token after its request failed"
+    assert_no_leak(llm)
+
+
+@pytest.mark.assignment("stop-strings")
+def test_stop_string_matching_equals_a_naive_search():
+    """StopStrings.feed over random text fed in random pieces, against
+    str.find: the same first stop string (the longest of those ending at the
+    same place), at the same place; `partial` equals the longest suffix of the
+    text so far that starts some stop string. Stop strings with repeated
+    prefixes (aab, abab) exercise the failure function's fallbacks."""
+    import random
+
+    from scheduler import StopStrings
+    rng = random.Random(3)
+    for trial in range(400):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        ends = [(text.find(s) + len(s), -len(s)) for s in stops if s in text]
+        want = min(ends) if ends else None                     # earliest end; then the longest
+        ss, seen, got = StopStrings(stops), 0, None
+        while seen < len(text) and got is None:
+            piece = text[seen:seen + rng.randint(1, 4)]
+            hit = ss.feed(piece)
+            if hit is None:
+                seen += len(piece)
+                prefix = text[:seen]
+                held = max([k for s in stops for k in range(1, min(len(s), len(prefix)) + 1)
+                            if prefix.endswith(s[:k])] + [0])
+                assert ss.partial == held, f"{stops} after {prefix!r}: holds back {ss.partial}, not {held}"
+            else:
+                got = (seen + hit[0], -hit[1])
+        assert got == want, f"stops {stops} in {text!r}: got {got}, want {want}"

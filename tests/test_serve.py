@@ -843,3 +843,125 @@ def test_one_shot_prints_the_stream(tiny_path, offline, capsys):
     out = one_shot(offline, "The harbor town", False, SamplingParams(max_tokens=12))
     printed = capsys.readouterr().out
     assert printed == out.text + "\n"
+
+
+# ---- paths the rest of this file does not reach
+
+@pytest.mark.needs("engine")
+def test_command_line_flags_reach_the_engine_and_the_server(tiny_path, monkeypatch, capsys):
+    """serve.py's command line: every engine flag reaches LLM (pool size from
+    --kv-cache-bytes by the lecture's formula, block size, seats, token
+    budget, prefix caching, speculation), every serving flag reaches the
+    server's limits, the key comes from NANOINFER_API_KEY unless --api-key
+    is given, a non-loopback bind without a key prints the warning, and
+    --drain-seconds is what the signal handler drains with."""
+    import torch
+
+    import serve
+    from cache import kv_cache_bytes
+    got = {}
+
+    def captured(server, drain_seconds):          # instead of waiting for a signal
+        got.update(server=server, drain=drain_seconds)
+        server.server_close()
+        server.engine.stop()
+    monkeypatch.setattr(serve, "serve_until_signal", captured)
+    monkeypatch.setenv("NANOINFER_API_KEY", "from-env")
+    serve.main(["--model", tiny_path, "--host", "0.0.0.0", "--port", "0", "--device", "cpu", "--dtype", "float32",
+                "--block-size", "8", "--kv-cache-bytes", str(3 << 20), "--max-num-seqs", "5",
+                "--max-num-batched-tokens", "96", "--no-prefix-caching", "--speculative", "ngram",
+                "--num-speculative-tokens", "3", "--max-waiting", "7", "--max-connections", "9",
+                "--max-body-bytes", "12345", "--max-request-tokens", "777", "--header-timeout", "1.5",
+                "--body-timeout", "2.5", "--drain-seconds", "4.5"])
+    srv, llm = got["server"], got["server"].engine.llm
+    per_token = kv_cache_bytes(llm.config, torch.float32)
+    assert (llm.device.type, llm.dtype) == ("cpu", torch.float32)
+    assert llm.block_manager.block_size == 8 and llm.block_manager.num_blocks == (3 << 20) // (per_token * 8)
+    assert (llm.scheduler.max_num_seqs, llm.scheduler.max_num_batched_tokens) == (5, 96)
+    assert llm.block_manager.enable_prefix_caching is False
+    assert llm.speculation is not None and llm.speculation.k == 3
+    assert (srv.api_key, srv.engine.max_waiting, srv.max_connections, srv.max_body_bytes, srv.max_request_tokens,
+            srv.header_timeout, srv.body_timeout) == ("from-env", 7, 9, 12345, 777, 1.5, 2.5)
+    assert got["drain"] == 4.5 and srv.server_address[1] > 0
+    out, err = capsys.readouterr()
+    assert f":{srv.server_address[1]}/v1" in out and "with an API key" in out, out
+    assert "WARNING" not in err, "a key is set: no warning"
+    # --api-key wins over the environment; without any key, 0.0.0.0 warns.
+    serve.main(["--model", tiny_path, "--port", "0", "--device", "cpu", "--api-key", "from-flag"])
+    assert got["server"].api_key == "from-flag" and got["server"].engine.llm.block_manager.block_size == 16
+    monkeypatch.delenv("NANOINFER_API_KEY")
+    serve.main(["--model", tiny_path, "--host", "0.0.0.0", "--port", "0", "--device", "cpu",
+                "--kv-cache-bytes", str(1 << 20)])
+    assert got["server"].api_key is None and "WARNING: listening on 0.0.0.0 without an API key" in capsys.readouterr().err
+
+
+@pytest.mark.needs("engine")
+def test_command_line_one_shot_prints_the_offline_answer(tiny_path, offline, capsys):
+    """serve.py --prompt: generates once with --max-tokens and --temperature
+    and prints the text, the same as offline generate (with --chat: of the
+    chat template's tokens), then exits without serving."""
+    import serve
+    for chat in (False, True):
+        serve.main(["--model", tiny_path, "--device", "cpu", "--dtype", "float32", "--kv-cache-bytes", str(1 << 22),
+                    "--prompt", "The harbor town", "--max-tokens", "9", "--temperature", "0"] + ["--chat"] * chat)
+        tok = offline.tokenizer
+        ids = tok.apply_chat_template([{"role": "user", "content": "The harbor town"}], tokenize=True) if chat \
+            else tok.encode("The harbor town", allow_special=True)
+        want = offline.generate([ids], SamplingParams(max_tokens=9))[0].text
+        printed = capsys.readouterr().out
+        assert printed.endswith(want + "\n") and "serving" not in printed, (chat, printed[-200:], want)
+
+
+@pytest.mark.needs("engine")
+def test_invalid_server_limits_are_refused_and_leave_no_engine_thread(small_llm):
+    """make_server checks every limit before serving: a zero, negative or
+    boolean limit is a ValueError naming it, and the engine thread it had
+    already started is stopped (nothing left running on the LLM)."""
+    def engine_threads():
+        return [t for t in threading.enumerate() if t.name == "nanoinfer-engine" and t.is_alive()]
+    before = len(engine_threads())
+    for limits, name in [({"max_body_bytes": 0}, "max_body_bytes"), ({"header_timeout": True}, "header_timeout"),
+                         ({"max_connections": -1}, "max_connections"), ({"max_request_tokens": 0}, "max_request_tokens")]:
+        with pytest.raises(ValueError, match=f"{name} must be a positive number"):
+            make_server(small_llm, "127.0.0.1", 0, **limits)
+    assert len(engine_threads()) == before, "a refused server must stop the engine thread it started"
+
+
+@pytest.mark.needs("engine")
+def test_a_bug_in_a_handler_answers_500_without_a_traceback_and_serving_goes_on(small_llm, monkeypatch):
+    """An unexpected exception while handling a request (a server bug) is
+    answered with a 500 error object, never a traceback, and the next
+    request is served normally."""
+    import serve
+    parse = serve.parse_request
+
+    def buggy(llm, body, chat, *a, **kw):
+        if body.get("prompt") == "trigger":
+            raise RuntimeError("boom at line 42")
+        return parse(llm, body, chat, *a, **kw)
+    monkeypatch.setattr(serve, "parse_request", buggy)
+    with serving(small_llm) as srv:
+        err = assert_error(*request(srv, "POST", "/v1/completions", {"prompt": "trigger", "max_tokens": 2}), 500)
+        assert err["message"] == "internal server error" and "boom" not in err["message"]
+        status, out = request(srv, "POST", "/v1/completions", {"prompt": "fine", "max_tokens": 2})
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
+        srv.engine.start_draining()              # from now on the engine itself refuses new requests
+        with pytest.raises(serve.APIError) as refused:
+            srv.engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+        assert refused.value.status == 503 and refused.value.code == "server_shutting_down"
+
+
+@pytest.mark.needs("engine")
+def test_chat_content_as_text_parts_equals_the_joined_string(server):
+    """Newer clients send a message's content as a list of {"type": "text"}
+    parts: the answer equals the one for the joined string; a part that is
+    not text is refused with a 400 naming messages."""
+    ask = lambda content: request(server, "POST", "/v1/chat/completions",   # noqa: E731
+                                  {"messages": [{"role": "user", "content": content}], "max_tokens": 6,
+                                   "temperature": 0})
+    status, whole = ask("What is the capital of France?")
+    assert status == 200, whole
+    status, parts = ask([{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}])
+    assert status == 200 and parts["choices"][0]["message"] == whole["choices"][0]["message"]
+    assert parts["usage"] == whole["usage"]
+    assert_error(*ask([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]), 400, param="messages")

@@ -293,3 +293,176 @@ def test_bad_speculative_configuration(tiny_path, tmp_path):
     with pytest.raises(ValueError, match="different vocabulary"):
         LLM(tiny_path, kv_cache_bytes=1 << 20, speculative=other)
     assert os.path.isdir(other)
+
+
+# ---- paths the rest of this file does not reach
+
+# Prompts on which the tiny model's greedy continuation repeats itself, so
+# prompt lookup drafts and some drafts get accepted.
+LOOPY = ["a a a a b b b b a a a a b b", "one two one two one two", "x y z x y z x y"]
+LOOPY_GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def record_steps(monkeypatch, llm):
+    """Spy on the engine's append phase: per step, (request id, drafts verified,
+    the tokens the sampler emitted for it) for every sequence that sampled."""
+    steps, append_all = [], llm._append_all
+
+    def spy(batch, asks, new, fail, failed):
+        steps.append([(seq.request.request_id, len(ask.drafts), list(tokens))
+                      for (seq, ask), (tokens, _, _) in zip(asks, new)])
+        return append_all(batch, asks, new, fail, failed)
+    monkeypatch.setattr(llm, "_append_all", spy)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def loopy_plain(tiny_path):
+    return [o.token_ids for o in LLM(tiny_path, kv_cache_bytes=4 << 20).generate(LOOPY, LOOPY_GREEDY)]
+
+
+@pytest.mark.needs("engine", "ngram-drafter", "stop-strings")
+def test_a_stop_inside_a_verified_run_drops_the_tokens_after_it(tiny_path, loopy_plain, monkeypatch):
+    """A verification step can emit several tokens (accepted drafts + one).
+    When a stop string completes at one of them that is not the step's last,
+    the tokens after it are dropped: the output is the plain greedy run's cut
+    at that token, the text ends before the stop string, the other requests
+    of the batch are untouched, and every block comes back."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=4)
+    steps = record_steps(monkeypatch, llm)
+    rids = [llm.add_request(p, LOOPY_GREEDY) for p in LOOPY]
+    while llm.has_unfinished_requests():
+        llm.step()
+    emitted = {rid: [] for rid in rids}
+    for step in steps:
+        for rid, _, tokens in step:
+            emitted[rid].append(tokens)
+    assert [sum(emitted[r], []) for r in rids] == loopy_plain, "speculation changed the greedy tokens"
+    # A stop string that first completes at token e of the plain output, where
+    # e is not the last token its verification step emitted: the text of the
+    # last few tokens up to e, found nowhere earlier in the text.
+    decode = llm.tokenizer.decode
+    choice = None
+    for i, rid in enumerate(rids):
+        pos = 0
+        for tokens in emitted[rid]:
+            for e in range(pos, pos + len(tokens) - 1):
+                text = decode(loopy_plain[i][:e + 1])
+                for back in (1, 2, 3, 4):
+                    stop = text[len(decode(loopy_plain[i][:max(0, e + 1 - back)])):]
+                    if choice is None and stop.strip() and "\ufffd" not in text and text.find(stop) == len(text) - len(stop):
+                        choice = (i, stop, e, text[:len(text) - len(stop)])
+            pos += len(tokens)
+    assert choice is not None, "no verification step emitted two tokens: the test needs accepted drafts"
+    i, stop, e, text = choice
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=4)
+    steps = record_steps(monkeypatch, llm)
+    params = [LOOPY_GREEDY] * len(LOOPY)
+    params[i] = SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop])
+    outs = llm.generate(LOOPY, params)
+    assert outs[i].finish_reason == "stop" and outs[i].token_ids == loopy_plain[i][:e + 1], \
+        f"the output must end at token {e} of the plain run, where the stop string {stop!r} completes"
+    assert outs[i].text == text, "the text ends just before the stop string"
+    assert [o.token_ids for j, o in enumerate(outs) if j != i] == [t for j, t in enumerate(loopy_plain) if j != i]
+    last = [tokens for step in steps for rid, _, tokens in step if rid == outs[i].request_id][-1]
+    assert len(outs[i].token_ids) < len(sum([t for step in steps for rid, _, t in step
+                                             if rid == outs[i].request_id], [])), \
+        f"the stop must fall before the last token of its step (the step emitted {len(last)})"
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine", "ngram-drafter")
+def test_drafts_beyond_the_token_budget_are_dropped_and_output_is_exact(tiny_path, loopy_plain, monkeypatch):
+    """With max_num_batched_tokens = 5 = k + 1 and five sequences decoding, a
+    sequence whose 1 + drafts verification tokens no longer fit the step's
+    budget drops its drafts and decodes one token (or waits for the next step
+    once the budget is spent). The greedy output is still exactly the plain
+    run's, no step goes over the budget, and nothing leaks."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=4,
+              max_num_batched_tokens=5)
+    schedule, dropped, spent = llm.scheduler.schedule, [], []
+
+    def spy():
+        before = {s.seq_id: len(s.draft_tokens) for s in llm.scheduler.running}
+        out = schedule()
+        dropped.extend(it.seq.seq_id for it in out if before.get(it.seq.seq_id) and not it.seq.draft_tokens)
+        spent.append(sum(it.count for it in out))
+        return out
+    monkeypatch.setattr(llm.scheduler, "schedule", spy)
+    outs = llm.generate(LOOPY + ["a b a b a b a b", "c d c d"], LOOPY_GREEDY)
+    assert [o.token_ids for o in outs[:3]] == loopy_plain, "dropping drafts must not change a greedy output"
+    assert dropped, "no sequence ever had its drafts dropped: the budget was never short"
+    assert max(spent) <= 5, f"a step scheduled {max(spent)} tokens over the budget of 5"
+    assert llm.stats["accepted_tokens"] > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine", "ngram-drafter")
+def test_a_drafter_that_raises_fails_only_the_requests_whose_drafts_raise(tiny_path, loopy_plain, monkeypatch):
+    """The drafter is asked for every sequence at once; if that raises, each
+    request is retried alone and only those whose own drafting raises fail
+    (finish_reason "error", the message says drafting failed). The others
+    keep their exact greedy tokens, and every block comes back."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=4)
+    poison = llm.tokenizer.encode("zebra crossing", allow_special=True)
+    propose = llm.drafter.propose
+
+    def flaky(requests, sample_fn=None):
+        if any(tokens[:len(poison)] == poison for _, tokens, _ in requests):
+            raise RuntimeError("the drafter choked")
+        return propose(requests, sample_fn)
+    monkeypatch.setattr(llm.drafter, "propose", flaky)
+    outs = llm.generate(LOOPY + ["zebra crossing zebra crossing"], LOOPY_GREEDY)
+    assert [o.token_ids for o in outs[:3]] == loopy_plain, "the healthy requests must not notice"
+    assert outs[3].finish_reason == "error" and "drafting failed" in outs[3].error and "choked" in outs[3].error
+    assert_no_leak(llm)
+
+
+def greedy_draft_sample(logits, idx, step):
+    """A sample_fn for ModelDrafter.propose: the argmax, as one-hot probabilities."""
+    tokens = logits.argmax(-1)
+    return tokens.tolist(), torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+
+
+@pytest.mark.needs("model", "kv-cache-bytes", "paged-attention", "block-allocation", "decode-attention")
+def test_model_drafter_drafts_the_draft_models_greedy_tokens_and_fewer_when_its_pool_is_full():
+    """ModelDrafter with its own paged cache: every request's drafts are the
+    draft model's own greedy continuation (the dense path is the reference),
+    each request stops at its own k, a request the draft pool cannot hold gets
+    fewer drafts (none here) instead of an error, and rollback / release give
+    the blocks back."""
+    from kernels import StepInputs
+    from model import generate
+    from speculative import ModelDrafter
+    draft = tiny_model(seed=4)
+    drafter = ModelDrafter(draft, num_blocks=4, block_size=4, device=torch.device("cpu"), dtype=torch.float32,
+                           make_inputs=lambda bm: StepInputs(bm, torch.device("cpu")))
+    a, b, c = [5, 9, 2, 7, 7, 1], [3, 3, 4, 8, 1], list(range(20, 31))        # 6 + 3 and 5 + 1 tokens: 4 blocks
+    out = drafter.propose([(0, a, 3), (1, b, 1), (2, c, 2)], greedy_draft_sample)
+    assert out[0][0] == generate(draft, a, 3) and out[1][0] == generate(draft, b, 1), \
+        "the drafts must be the draft model's greedy tokens, k of them per request"
+    assert out[0][1].shape == (3, draft.config.vocab_size)
+    assert out[2] == ([], None), "a request whose tokens do not fit the draft pool gets no drafts"
+    drafter.rollback(0, 6)                    # the target rejected all of a's drafts
+    assert drafter.computed[0] == 6 and len(drafter.bm.tables[0]) == 2
+    out = drafter.propose([(0, a + [4], 2)], greedy_draft_sample)   # resumes from the rolled-back cache
+    assert out[0][0] == generate(draft, a + [4], 2)
+    for sid in (0, 1, 2):
+        drafter.release(sid)
+    assert drafter.bm.num_free_blocks == 4 and not drafter.bm.tables
+
+
+@pytest.mark.needs("engine", "sampler", "rejection-sampling")
+def test_sampled_drafts_of_the_target_itself_are_always_accepted(tiny_path):
+    """Sampling (temperature 0.8) with the target as its own draft model: the
+    draft distribution p equals the target's q, so min(1, q/p) = 1 and every
+    draft is accepted. Passing the draft's probabilities to the rejection rule
+    is what makes it so: treated as one-hot, a draft would be accepted with
+    probability q(x) only."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative=tiny_path, num_speculative_tokens=3)
+    outs = llm.generate(["sampled self drafting", "another one"],
+                        SamplingParams(max_tokens=16, temperature=0.8, seed=1, ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in outs)
+    assert llm.stats["draft_tokens"] > 10 and llm.stats["accepted_tokens"] == llm.stats["draft_tokens"], \
+        f"accepted {llm.stats['accepted_tokens']} of {llm.stats['draft_tokens']} drafts of a perfect draft model"
+    assert_no_leak(llm)

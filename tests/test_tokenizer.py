@@ -147,3 +147,67 @@ def test_negative_ids_are_refused(real_tokenizer):
         real_tokenizer.decode([5, -1])
     with pytest.raises(ValueError, match="non-negative"):
         IncrementalDecoder(real_tokenizer).push(-3)
+
+
+# ---- paths the rest of this file does not reach
+
+def tokenizer_variant(src, dst, pre_tokenizer=None, model_type=None, chat_template=None):
+    """A copy of the default tokenizer with one part of its files changed."""
+    import shutil
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "tokenizer.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    if pre_tokenizer is not None:
+        data["pre_tokenizer"] = pre_tokenizer
+    if model_type is not None:
+        data["model"]["type"] = model_type
+    with open(os.path.join(dst, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    shutil.copy(os.path.join(src, "tokenizer_config.json"), dst)
+    if chat_template is not None:
+        with open(os.path.join(dst, "tokenizer_config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        cfg["chat_template"] = chat_template
+        with open(os.path.join(dst, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg, f)
+    return str(dst)
+
+
+@pytest.mark.assignment("bpe")
+def test_other_pre_tokenizer_descriptions_give_the_reference_ids(real_path, tmp_path):
+    """The pre-tokenizer is read from tokenizer.json, not assumed: SmolLM2's
+    Digits + ByteLevel written as an explicit Split regex (as Llama 3 ships
+    it) gives the reference ids on every golden string, and plain ByteLevel
+    (GPT-2's regex) gives them on every string without digits (the only
+    place the two differ); anything else is refused by name."""
+    from tokenizer import DIGITS_THEN_GPT2_PATTERN, Tokenizer
+    split = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": DIGITS_THEN_GPT2_PATTERN}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    tok = Tokenizer.from_pretrained(tokenizer_variant(real_path, tmp_path / "split", pre_tokenizer=split))
+    bad = [c["text"] for c in GOLDEN["cases"] if tok.encode(c["text"], allow_special=True) != c["ids"]]
+    assert not bad, f"the Split regex gives other ids on {len(bad)} strings, e.g. {bad[0]!r}"
+    plain = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    tok = Tokenizer.from_pretrained(tokenizer_variant(real_path, tmp_path / "plain", pre_tokenizer=plain))
+    cases = [c for c in GOLDEN["cases"] if not any(ch.isnumeric() for ch in c["text"])]   # \\p{N}
+    bad = [c["text"] for c in cases if tok.encode(c["text"], allow_special=True) != c["ids"]]
+    assert len(cases) > 1000 and not bad, f"GPT-2's regex gives other ids on {len(bad)} strings, e.g. {bad[:1]!r}"
+    numeric = [c for c in GOLDEN["cases"] if any(ch.isnumeric() for ch in c["text"])]
+    assert any(tok.encode(c["text"], allow_special=True) != c["ids"] for c in numeric), \
+        "GPT-2's regex keeps numbers such as '½ Ⅻ' whole, SmolLM2's splits them: the file's choice must be used"
+    with pytest.raises(ValueError, match=r"unsupported pre-tokenizer \['Whitespace'\]"):
+        Tokenizer.from_pretrained(tokenizer_variant(real_path, tmp_path / "ws", pre_tokenizer={"type": "Whitespace"}))
+
+
+@pytest.mark.needs("bpe")
+def test_tokenizers_that_are_not_byte_level_bpe_or_chatml_are_refused(real_path, tmp_path):
+    """A Unigram (or WordPiece) tokenizer.json is refused when loaded, naming
+    its type; a chat template that is not ChatML is refused when used."""
+    from tokenizer import Tokenizer
+    with pytest.raises(ValueError, match="only byte-level BPE tokenizers are supported, got 'Unigram'"):
+        Tokenizer.from_pretrained(tokenizer_variant(real_path, tmp_path / "uni", model_type="Unigram"))
+    tok = Tokenizer.from_pretrained(tokenizer_variant(real_path, tmp_path / "llama2",
+                                                      chat_template="[INST] {{ messages[0]['content'] }} [/INST]"))
+    assert tok.encode("hi") == Tokenizer.from_pretrained(real_path).encode("hi")
+    with pytest.raises(ValueError, match="not ChatML"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
