@@ -601,8 +601,10 @@ def mutant_one(bug, args) -> tuple[str, str]:
             return "NOT APPLIED", problem
         results, seconds, log = run_suite(repo, ["--assignment", bug.assignment, "-x", *args.pytest_args],
                                           args.timeout)
-        if results is None:      # a hang or a crash at collection: the student sees no pass either
-            return "caught", f"pytest did not finish in {seconds:.0f} s (timeout or collection error)"
+        if results is None and seconds >= args.timeout:    # a hang is no verdict: report it
+            return "TIMEOUT", f"pytest ran past {args.timeout:.0f} s; see a test that hangs on this bug"
+        if results is None:      # the patched code does not even import: no test can pass
+            return "caught", f"pytest did not finish: a collection error ({seconds:.0f} s)"
         test = catcher(results)
         if test is None:
             ran = sum(r["status"] == "passed" for r in results.values())
