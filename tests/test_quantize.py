@@ -225,12 +225,14 @@ def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, 
     assert 10 < ppl_float < 40, f"float perplexity {ppl_float:.2f} is off: is the model loaded right?"
     q_model = quantize_model(load_model(real_path, dtype=torch.float32)[0])
     ppl_int8 = perplexity(q_model, ids)
-    assert abs(ppl_int8 / ppl_float - 1) < 0.02, f"int8 perplexity {ppl_int8:.2f} vs float {ppl_float:.2f}"
+    # measured: float 24.29, int8 24.41 (+0.49%); 2% let a badly rounding quantizer through
+    assert abs(ppl_int8 / ppl_float - 1) < 0.01, f"int8 perplexity {ppl_int8:.2f} vs float {ppl_float:.2f}"
     shared = total = 0
     for text in ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]:
         p = real_tokenizer.encode(text)
         a, b = generate(real_model, p, 16), generate(q_model, p, 16)
         shared += sum(x == y for x, y in zip(a, b))
         total += 16
-    assert shared / total > 0.6, f"int8 greedy shares only {shared}/{total} tokens with float"
+    # measured: 48 of 48 tokens shared; 0.6 let a truncating quantizer through
+    assert shared / total >= 0.9, f"int8 greedy shares only {shared}/{total} tokens with float"
     assert math.isfinite(ppl_int8)
