@@ -6,6 +6,7 @@ out, and prove that the suite grades each one on its own.
     python tests/assignments.py student OUT [--only a,b]  # the version to hand out
     python tests/assignments.py check [--only a,b] [-- PYTEST ARGS]
                                                           # prove the suite grades each alone
+    python tests/assignments.py mutants [--only a,b]      # prove each catches its students' bugs
 
 Where each thing lives (one place each, standard library only):
 
@@ -43,6 +44,13 @@ passed, failed, not attempted, or blocked.
 code must pass; then, for each assignment, a temporary copy blanks it ALONE
 and pytest runs there: its own tests must fail with its NotImplementedError,
 and every other test must pass or be reported "blocked by" it, never fail.
+
+`mutants` proves the tests catch wrong answers, not only missing ones:
+tests/mutants.py is a catalog of realistic student bugs (an off-by-one, a
+swapped sign, a missing release...), each a small patch of the solution.
+Each is applied ALONE to a temporary copy, that assignment's tests run there
+(`pytest --assignment NAME -x`), and the test that caught it is printed, or
+NOT CAUGHT: a grader that passes a wrong answer is worse than none.
 """
 from __future__ import annotations
 
@@ -536,6 +544,97 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+# ----------------------------------------------------------------------------
+# mutants: apply each catalogued student bug alone, run its assignment's tests
+# ----------------------------------------------------------------------------
+
+def load_bugs(path: str) -> list:
+    """The BUGS list of a catalog file (tests/mutants.py), imported by path
+    so that a test can hand the tool a catalog of its own."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("mutants_catalog", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module               # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.BUGS
+
+
+def apply_bug(repo: str, bug) -> str | None:
+    """Patch one file of a copy; returns why it cannot be applied, or None.
+    The old text must occur exactly once: a patch that silently matches
+    nothing (the code moved on) or the wrong place would "pass" for free."""
+    path = os.path.join(repo, bug.file)
+    if not os.path.isfile(path):
+        return f"no file {bug.file}"
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    n = text.count(bug.old)
+    if n != 1:
+        return f"old text found {n} times in {bug.file} (must be exactly once)"
+    text = text.replace(bug.old, bug.new)
+    try:
+        compile(text, bug.file, "exec")           # a patch must leave valid Python
+    except SyntaxError as e:
+        return f"the patched {bug.file} does not compile: {e}"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return None
+
+
+def catcher(results: dict | None) -> str | None:
+    """The first test of the run that failed (its node id), or None if none did."""
+    for nodeid, r in (results or {}).items():
+        if r["status"] in ("failed", "todo"):
+            return nodeid
+    return None
+
+
+def mutant_one(bug, args) -> tuple[str, str]:
+    """Apply `bug` alone to a fresh copy, run its assignment's tests, stop at the
+    first failure. Returns (verdict, detail): caught / NOT CAUGHT / NOT APPLIED."""
+    tmp = tempfile.mkdtemp(prefix=f"mutant-{bug.assignment}-")
+    try:
+        repo = os.path.join(tmp, "repo")
+        write_copy(ROOT, repo, set())
+        problem = apply_bug(repo, bug)
+        if problem:
+            return "NOT APPLIED", problem
+        results, seconds, log = run_suite(repo, ["--assignment", bug.assignment, "-x", *args.pytest_args],
+                                          args.timeout)
+        if results is None and seconds >= args.timeout:    # a hang is no verdict: report it
+            return "TIMEOUT", f"pytest ran past {args.timeout:.0f} s; see a test that hangs on this bug"
+        if results is None:      # the patched code does not even import: no test can pass
+            return "caught", f"pytest did not finish: a collection error ({seconds:.0f} s)"
+        test = catcher(results)
+        if test is None:
+            ran = sum(r["status"] == "passed" for r in results.values())
+            return "NOT CAUGHT", f"{ran} tests of {bug.assignment} passed ({seconds:.0f} s)"
+        return "caught", f"by {test} ({seconds:.0f} s)"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cmd_mutants(args) -> int:
+    names = set(chosen_names(args.only))
+    bugs = [b for b in load_bugs(args.catalog) if b.assignment in names]
+    unknown = sorted({b.assignment for b in bugs} - set(ASSIGNMENTS))
+    if unknown:
+        raise SystemExit(f"the catalog names unknown assignment(s): {', '.join(unknown)}")
+    args.pytest_args = [a for a in args.pytest_args if a != "--"]
+    print(f"mutants: {len(bugs)} bugs of {len({b.assignment for b in bugs})} assignments, "
+          f"each alone, against its assignment's tests", flush=True)
+    t0, bad = time.perf_counter(), 0
+    width = max(map(len, ASSIGNMENTS))
+    for bug in bugs:
+        verdict, detail = mutant_one(bug, args)
+        bad += verdict != "caught"
+        print(f"{bug.assignment:<{width}}  {verdict:<11}  {bug.mistake}: {detail}", flush=True)
+    caught = len(bugs) - bad
+    print(f"mutants: {caught} of {len(bugs)} caught ({100 * caught / max(len(bugs), 1):.0f}%) "
+          f"in {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0 if bad == 0 else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tests/assignments.py", description=__doc__.split("\n")[1])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -550,8 +649,15 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary copies and their pytest.log")
     p.add_argument("--max-problems", type=int, default=20, help=argparse.SUPPRESS)
     p.add_argument("pytest_args", nargs="*", help="after --: the tests to run (default: the whole suite)")
+    p = sub.add_parser("mutants", help="apply each catalogued student bug alone; its assignment's tests must fail")
+    p.add_argument("--only", help="comma-separated assignments whose bugs to try (default: all)")
+    p.add_argument("--catalog", default=os.path.join(ROOT, "tests", "mutants.py"),
+                   help="the catalog file (default: tests/mutants.py)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per pytest run (default 600)")
+    p.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments for every run")
     args = ap.parse_args(argv)
-    return {"list": cmd_list, "student": cmd_student, "check": cmd_check}[args.command](args)
+    return {"list": cmd_list, "student": cmd_student, "check": cmd_check,
+            "mutants": cmd_mutants}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,48 @@ def test_check_passes_on_cheap_assignments():
     assert lines[-1].startswith("check: ok")
 
 
+# A catalog of three: a real bug (caught), a harmless edit no test can see
+# (NOT CAUGHT) and a patch whose old text is gone (NOT APPLIED).
+CATALOG = '''
+from mutants import Bug
+BUGS = [
+    Bug("kv-cache-bytes", "cache.py", "forgets the factor 2",
+        "return 2 * cfg.n_layers * cfg.n_kv_heads", "return cfg.n_layers * cfg.n_kv_heads"),
+    Bug("kv-cache-bytes", "cache.py", "rewords a docstring",
+        "How many blocks of `block_size` tokens fit in `budget_bytes`.", "Blocks that fit."),
+    Bug("kv-cache-bytes", "cache.py", "patches code that is not there", "return 3 * cfg.n_layers", "return 0"),
+]
+'''
+
+
+def test_mutants_reports_caught_not_caught_and_not_applied(tmp_path):
+    catalog = tmp_path / "catalog.py"
+    catalog.write_text(CATALOG)
+    env_path = os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "tests/assignments.py", "mutants", "--only", "kv-cache-bytes",
+                        "--catalog", str(catalog)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": env_path})
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out
+    lines = [line for line in out.splitlines() if line.startswith("kv-cache-bytes")]
+    assert len(lines) == 3, out
+    assert " caught " in lines[0] and "forgets the factor 2: by tests/test_cache.py::test_" in lines[0], lines[0]
+    assert " NOT CAUGHT " in lines[1] and "rewords a docstring" in lines[1], lines[1]
+    assert " NOT APPLIED " in lines[2] and "found 0 times" in lines[2], lines[2]
+    assert out.splitlines()[-1].startswith("mutants: 1 of 3 caught"), out
+
+
+def test_catalog_has_three_bugs_per_assignment_that_apply():
+    """Every assignment has at least 3 catalogued bugs, each patching text
+    that occurs exactly once (the whole run is the slow one the README names)."""
+    bugs = assignments.load_bugs(os.path.join(ROOT, "tests", "mutants.py"))
+    assert all(sum(b.assignment == n for b in bugs) >= 3 for n in ASSIGNMENTS), "3 bugs per assignment"
+    for b in bugs:
+        with open(os.path.join(ROOT, b.file), encoding="utf-8") as f:
+            assert f.read().count(b.old) == 1, f"{b.assignment}: {b.mistake}: old text not found exactly once"
+        assert b.old != b.new and b.mistake
+
+
 NOT_INDEPENDENT = '''
 import pytest
 import torch

@@ -103,6 +103,23 @@ def test_meta_and_every_experiment_present(run, results):
     assert results["overhead"]["models"][bench.TINY_MODEL] == "random weights, made-up shapes"
 
 
+@pytest.mark.parametrize("shape", ["gqa", "smollm2-135m", "llama-3.1-8b"])
+@pytest.mark.assignment("roofline")
+def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
+    """model_flops_per_token against the formula written out here from every
+    linear layer's (out, in) and attention's 4 H d per cached token, for
+    shapes whose heads, KV heads, FFN and vocabulary all differ (so each term
+    is seen), at several context lengths."""
+    from conftest import tiny_config
+    from model import PRESETS, ModelConfig
+    cfg = tiny_config(dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=160, vocab_size=1000) \
+        if shape == "gqa" else ModelConfig.from_hf(PRESETS[shape])
+    for context in (0, 1, 37, 4096):
+        assert bench.model_flops_per_token(cfg, context) == flops_per_token(cfg, context), \
+            f"{shape}, context {context}: {bench.model_flops_per_token(cfg, context)} FLOPs, " \
+            f"expected {flops_per_token(cfg, context)}"
+
+
 @pytest.mark.assignment("roofline")
 def test_roofline(run, results):
     r, c = results["roofline"], run.cfg

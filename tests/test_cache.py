@@ -182,6 +182,45 @@ def test_prefix_hits_reuse_the_same_physical_blocks():
         bm.free(s)
     assert bm.num_free_blocks == 16
     assert bm.allocate(4, prompt) == 8 and bm.tables[4] == first_two
+    # the hit rate counts the blocks found: 2 for seq 2, 2 for seq 4, none for seqs 1 and 3
+    assert bm.prefix_hits == 4 and bm.prefix_queries >= 7, (bm.prefix_hits, bm.prefix_queries)
+    bm.check_invariants()
+
+
+@pytest.mark.assignment("prefix-caching")
+@pytest.mark.needs("block-allocation")
+def test_blocks_registered_over_several_steps_chain_like_a_prompt():
+    """cache_full_blocks resumes where it stopped: a block filled by decoding,
+    several steps after the prompt, must chain onto the prompt's blocks, so a
+    later request with the same tokens finds them all."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    toks = list(range(50, 56))                                    # 6 tokens: 1 full block
+    bm.allocate(1, toks)
+    bm.append_slots(1, 0, 6)
+    bm.cache_full_blocks(1, toks, 6)
+    assert bm.num_cached_blocks == 1
+    for t in range(56, 63):                                       # decode 7 tokens, one step each
+        bm.append_slots(1, len(toks), 1)
+        toks.append(t)
+        bm.cache_full_blocks(1, toks, len(toks))
+    assert bm.num_cached_blocks == 3                              # 13 tokens: 3 full blocks
+    assert bm.allocate(2, toks + [99]) == 12 and bm.tables[2] == bm.tables[1][:3]
+    bm.check_invariants()
+
+
+@pytest.mark.assignment("prefix-caching")
+@pytest.mark.needs("block-allocation")
+def test_hash_collisions_are_never_hits():
+    """A hash names a prefix only probably: a lookup must compare the stored
+    parent and tokens, or two different prompts would share a block."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm._key = lambda parent, tokens: 12345                        # every block collides
+    a = [1, 2, 3, 4, 5]
+    bm.allocate(1, a)
+    bm.append_slots(1, 0, 5)
+    bm.cache_full_blocks(1, a, 5)
+    assert bm.allocate(2, [9, 9, 9, 9, 9]) == 0, "a colliding hash with other tokens is a miss"
+    assert bm.allocate(3, a) == 4, "the genuine prefix still hits"
     bm.check_invariants()
 
 
@@ -211,6 +250,27 @@ def test_eviction_is_least_recently_used():
     assert bm.allocate(5, [2, 2, 9]) == 0, "seq 2's block was evicted first"
     assert bm.allocate(6, [1, 1, 9]) == 2 and bm.allocate(7, [3, 3, 9]) == 2
     bm.check_invariants()
+
+
+@pytest.mark.assignment("block-allocation")
+@pytest.mark.needs("prefix-caching")
+def test_freed_table_is_evicted_tail_first():
+    """free gives a table back tail first, so its LAST blocks are reused
+    first and a later request sharing the start of the prompt still finds
+    it: each newcomer block evicts one more block from the end."""
+    prompt = list(range(10, 18))                                  # 4 full blocks of 2
+    for taken in range(1, 4):
+        bm = BlockManager(num_blocks=4, block_size=2)
+        bm.allocate(1, prompt)
+        bm.append_slots(1, 0, 8)
+        bm.cache_full_blocks(1, prompt, 8)
+        bm.free(1)
+        bm.allocate(2, [0] * (2 * taken))
+        bm.append_slots(2, 0, 2 * taken)                          # evicts `taken` blocks
+        # the lookup may reuse 3 blocks (the last token is always computed); the
+        # newcomer evicted the last `taken` of the 4, so 4 - taken lead the prompt
+        assert bm.allocate(3, prompt) == 2 * min(3, 4 - taken), f"{taken} blocks taken: a head block was evicted"
+        bm.check_invariants()
 
 
 @pytest.mark.assignment("block-allocation", "prefix-caching", "copy-on-write")

@@ -15,6 +15,7 @@ To pass, implement:
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -26,6 +27,40 @@ from model import generate
 from quantize import (Int8KVCache, Int8Linear, dequantize_int8, eval_text, int8_kv_cache_bytes,
                       decode_weight_bytes, perplexity, quantize_int8, quantize_model)
 from scheduler import LLM, SamplingParams
+
+
+def int8_reference(w: torch.Tensor, dim: int = -1):
+    """Symmetric absmax int8 written out in numpy, independent of the code
+    under test: scale = absmax / 127 in float32 (1 for an all-zero slice),
+    q = round-half-to-even(w / scale) (np.rint), clipped to +-127. Returns
+    (q as int8, scale, the dequantized values in float64)."""
+    x = w.detach().float().numpy()
+    absmax = np.abs(x).max(axis=dim, keepdims=True)
+    scale = np.where(absmax > 0, absmax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(x / scale), -127, 127).astype(np.int8)
+    return torch.from_numpy(q), torch.from_numpy(scale).squeeze(dim), torch.from_numpy(q.astype(np.float64) * scale)
+
+
+@pytest.mark.assignment("int8")
+def test_quantizer_equals_an_independent_reference():
+    """Every int8 value and scale equals numpy's round-half-to-even of
+    w / (absmax / 127), along the last axis and along another one, with
+    exact halves (ties) present; dequantize_int8 gives q * scale exactly."""
+    torch.manual_seed(4)
+    w = torch.randn(16, 40) * torch.logspace(-3, 3, 16)[:, None]
+    w[2] = 0.0
+    w[5] = torch.arange(40) - 19.5                # multiples of the step below...
+    w[5, 0] = 127 * 0.25                          # ...which is 0.25 exactly (absmax 31.75)
+    w[5, 1:9] = torch.tensor([0.125, -0.125, 0.375, -0.375, 2.625, -2.625, 0.625, 1.125])   # exact ties: n.5 steps
+    for dim in (-1, 0):
+        q, scale = quantize_int8(w, dim=dim)
+        rq, rscale, rback = int8_reference(w, dim=dim)
+        assert q.dtype == torch.int8 and torch.equal(scale.float(), rscale), f"dim {dim}: scales differ"
+        bad = (q != rq).nonzero().tolist()
+        assert not bad, f"dim {dim}: int8 values differ at {bad[:5]}, e.g. w = {w[tuple(bad[0])]:.6g}: " \
+                        f"{q[tuple(bad[0])]} vs round-half-to-even {rq[tuple(bad[0])]}"
+        back = dequantize_int8(q, scale, dim=dim)
+        assert torch.equal(back, rback.float()), f"dim {dim}: dequantize must be q * scale (in float32)"
 
 
 @pytest.mark.assignment("int8")
@@ -51,7 +86,9 @@ def test_int8_linear_equals_linear_on_dequantized_weight():
     lin = nn.Linear(96, 40, bias=True)
     ql = Int8Linear(lin)
     x = torch.randn(5, 96)
-    ref = F.linear(x, dequantize_int8(ql.weight, ql.scale), lin.bias)
+    q, scale, w = int8_reference(lin.weight)                 # independent of quantize_int8
+    assert torch.equal(ql.weight, q) and torch.equal(ql.scale, scale), "the stored int8 weight and scales"
+    ref = F.linear(x.double(), w, lin.bias.double()).float()
     torch.testing.assert_close(ql(x), ref, atol=1e-5, rtol=1e-5)
     rel = (ql(x) - lin(x)).norm() / lin(x).norm()
     assert rel < 0.02, f"int8 linear is {rel:.3f} away (relative) from the float one"
@@ -74,12 +111,13 @@ def test_int8_linear_compiled_equals_linear_on_dequantized_weight(tmp_path, monk
     from torch._dynamo.utils import counters
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.manual_seed(0)
-    ql = Int8Linear(nn.Linear(96, 40, bias=True))
+    lin = nn.Linear(96, 40, bias=True)
+    ql = Int8Linear(lin)
     compiled = torch.compile(lambda m, x: m(x), fullgraph=True)
     graphs = counters["stats"]["unique_graphs"]
     for rows in (1, quantize.FUSED_ROWS, quantize.FUSED_ROWS + 5):
         x = torch.randn(rows, 96)
-        ref = F.linear(x.double(), dequantize_int8(ql.weight, ql.scale).double(), ql.bias.double()).float()
+        ref = F.linear(x.double(), int8_reference(lin.weight)[2], ql.bias.double()).float()
         with size_oblivious():                          # as kernels.py compiles: any row count, 1 too
             torch.testing.assert_close(compiled(ql, dynamic(x, 0)), ref, atol=1e-5, rtol=1e-5, msg=f"{rows} rows")
     assert counters["stats"]["unique_graphs"] - graphs == 2, "one graph up to FUSED_ROWS rows, one beyond"
@@ -117,13 +155,15 @@ def test_tied_head_is_quantized_and_embedding_kept():
 def _fill_caches(cfg, tables, seq_lens, seed=0):
     torch.manual_seed(seed)
     caches = [KVCache(cfg, 12, 4, "cpu", torch.float32), Int8KVCache(cfg, 12, 4, "cpu", torch.float32)]
+    by_hand = KVCache(cfg, 12, 4, "cpu", torch.float32)     # float, holding K, V int8-rounded by numpy
     for layer in range(cfg.n_layers):
         for b, n in enumerate(seq_lens):
             slots = torch.tensor([tables[b][i // 4] * 4 + i % 4 for i in range(n)])
             k, v = torch.randn(n, cfg.n_kv_heads, cfg.head_dim), torch.randn(n, cfg.n_kv_heads, cfg.head_dim)
             for c in caches:
                 c.write(layer, slots, k, v)
-    return caches
+            by_hand.write(layer, slots, int8_reference(k)[2].float(), int8_reference(v)[2].float())
+    return caches + [by_hand]
 
 
 @pytest.mark.assignment("int8")
@@ -131,14 +171,17 @@ def _fill_caches(cfg, tables, seq_lens, seed=0):
 def test_paged_attention_over_int8_cache_is_close_to_float():
     cfg = tiny_config()
     tables, seq_lens, query_lens = [[3, 0, 7], [5, 9, 1]], [11, 6], [3, 1]
-    fp, i8 = _fill_caches(cfg, tables, seq_lens)
+    fp, i8, by_hand = _fill_caches(cfg, tables, seq_lens)
     q = torch.randn(sum(query_lens), cfg.n_heads, cfg.head_dim)
     bt = torch.tensor(tables)
     for layer in range(cfg.n_layers):
         ref = paged_attention(q, fp, layer, bt, seq_lens, query_lens)
         out = paged_attention(q, i8, layer, bt, seq_lens, query_lens)
-        rel = (out - ref).norm() / ref.norm()
-        assert rel < 0.02, f"layer {layer}: int8 KV attention is {rel:.4f} away (relative)"
+        # exactly the attention over K, V rounded per (token, head) by the numpy reference
+        torch.testing.assert_close(out, paged_attention(q, by_hand, layer, bt, seq_lens, query_lens), atol=1e-5,
+                                   rtol=1e-5, msg=f"layer {layer}: int8 KV cache differs from K, V rounded by hand")
+        rel = (out - ref).norm() / ref.norm()          # measured 0.0067 and 0.0057; truncating gives ~2x
+        assert rel < 0.01, f"layer {layer}: int8 KV attention is {rel:.4f} away (relative)"
     # bytes: the formula with scales, and what is allocated
     assert i8.bytes_per_token == int8_kv_cache_bytes(cfg) == 2 * 2 * 2 * (16 + 4)
     assert i8.total_bytes == int8_kv_cache_bytes(cfg, 12 * 4)
@@ -182,14 +225,16 @@ def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, 
     assert 10 < ppl_float < 40, f"float perplexity {ppl_float:.2f} is off: is the model loaded right?"
     q_model = quantize_model(load_model(real_path, dtype=torch.float32)[0])
     ppl_int8 = perplexity(q_model, ids)
-    assert abs(ppl_int8 / ppl_float - 1) < 0.02, f"int8 perplexity {ppl_int8:.2f} vs float {ppl_float:.2f}"
+    # measured: float 24.29, int8 24.41 (+0.49%); 2% let a badly rounding quantizer through
+    assert abs(ppl_int8 / ppl_float - 1) < 0.01, f"int8 perplexity {ppl_int8:.2f} vs float {ppl_float:.2f}"
     shared = total = 0
     for text in ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]:
         p = real_tokenizer.encode(text)
         a, b = generate(real_model, p, 16), generate(q_model, p, 16)
         shared += sum(x == y for x, y in zip(a, b))
         total += 16
-    assert shared / total > 0.6, f"int8 greedy shares only {shared}/{total} tokens with float"
+    # measured: 48 of 48 tokens shared; 0.6 let a truncating quantizer through
+    assert shared / total >= 0.9, f"int8 greedy shares only {shared}/{total} tokens with float"
     assert math.isfinite(ppl_int8)
 
 

@@ -18,8 +18,8 @@ from conftest import tiny_model
 
 from cache import BlockManager
 from model import generate as dense_generate
-from scheduler import (ACCEPT, DRAW, LLM, Request, SampleRequest, SamplingParams, Scheduler, Sequence, filtered_probs,
-                       sample_key, sample_tokens, uniform)
+from scheduler import (ACCEPT, DRAW, LLM, Request, SampleRequest, SamplingParams, Scheduler, Sequence, StopStrings,
+                       draw, filtered_probs, sample_key, sample_tokens, uniform)
 
 # Prompts of very different lengths (3 to ~220 tokens) for the real model.
 PROMPTS = [
@@ -99,9 +99,13 @@ def test_exact_under_many_preemptions(tiny_path, prefix_caching):
 @pytest.mark.needs("engine", "model")
 def test_exact_with_tiny_prefill_chunks(real_path, dense_reference):
     llm = LLM(real_path, kv_cache_bytes=64 << 20, max_num_batched_tokens=7)
+    schedule, steps = llm.scheduler.schedule, []
+    llm.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]      # record every step's batch
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == dense_reference
-    assert llm.stats["batched_tokens"] <= 7 * llm.stats["steps"]
+    sizes = [sum(item.count for item in batch) for batch in steps]
+    assert max(sizes) <= 7, f"a step scheduled {max(sizes)} tokens over the budget of 7"
+    assert sizes.count(7) > len(sizes) // 2, "the budget should be filled while prompts wait"
     assert_no_leak(llm)
 
 
@@ -379,9 +383,67 @@ def test_parallel_samples_share_prompt_blocks(tiny_llm):
                                      f"4 separate requests {4 * (shared + own)}"
     out = llm.generate([prompt], params)[0]
     assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) == 4, "n distinct samples"
-    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    # Each sample is what the dense path (no cache, nothing shared) samples with
+    # that sample's noise: a copy-on-write that lets one sample write into a
+    # block another still reads changes the tokens of the other.
+    ids = llm.tokenizer.encode(prompt)
+    for c in out.outputs:
+        assert c.token_ids == dense_sampled(llm.model, ids, params, sample_key(0, c.index), 8), \
+            f"sample {c.index} differs from the dense path with the same noise"
     assert rid not in llm.requests
     assert_no_leak(llm)
+
+
+def dense_sampled(model, ids, params, key, n):
+    """n tokens sampled on the dense path (no KV cache) with the noise of one
+    sample stream: the engine's output for that sample must equal it."""
+    out = []
+    for position in range(n):
+        logits = model(torch.tensor(ids + out), torch.arange(len(ids) + len(out)))[-1:]
+        tokens, _, _ = sample_tokens(logits, [SampleRequest(0, [], params, key, position)])[0]
+        out.append(int(tokens[0]))
+    return out
+
+
+def first_stop(stops, text):
+    """Brute force: (end, length) of the earliest-ending stop string in text,
+    the longest of those ending there; None if none occurs."""
+    ends = [(text.find(s) + len(s), -len(s)) for s in stops if s in text]
+    return (min(ends)[0], -min(ends)[1]) if ends else None
+
+
+def open_match(stops, text):
+    """Brute force: the longest proper prefix of a stop string that text ends with."""
+    return max(k for s in stops for k in range(len(s)) if text.endswith(s[:k]))
+
+
+@pytest.mark.assignment("stop-strings")
+def test_stop_strings_against_brute_force():
+    """StopStrings fed random text in random pieces (stop strings that overlap
+    themselves and each other, over a 2-3 letter alphabet) against str.find:
+    the first stop string completed, in the piece where it completes, with
+    the end relative to that piece; before it, `partial` is the longest
+    prefix of a stop string the text ends with (what must be held back)."""
+    import random
+    rng = random.Random(0)
+    for trial in range(400):
+        alphabet = "ab" if trial % 2 else "abc"
+        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+                      for _ in range(rng.randint(1, 3))})
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        matcher, seen = StopStrings(stops), ""
+        while text:
+            piece = text[:rng.randint(1, 4)]
+            text = text[len(piece):]
+            got, want = matcher.feed(piece), first_stop(stops, seen + piece)
+            if want is not None:
+                want = (want[0] - len(seen), want[1])
+            assert got == want, f"stops {stops}, text {seen!r} + piece {piece!r}: feed gave {got}, expected {want}"
+            if got is not None:
+                break                          # the engine stops at the first stop string
+            seen += piece
+            assert matcher.partial == open_match(stops, seen), \
+                f"stops {stops}, text {seen!r}: partial {matcher.partial}, expected {open_match(stops, seen)}"
 
 
 @pytest.mark.assignment("stop-strings")
@@ -563,6 +625,42 @@ def test_sampled_rows_follow_the_filtered_distribution(t, k, p):
 
 
 @pytest.mark.assignment("sampler")
+def test_draw_is_the_inverse_cdf_of_unnormalized_rows():
+    """draw(probs, u): the first token whose cumulative mass exceeds u * total,
+    worked out by hand on unnormalized rows (the residuals of speculative
+    decoding are not normalized); a zero-probability token is never drawn,
+    not even at u = 0 or right at a boundary."""
+    probs = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0],        # cdf 0, 2, 2, 8, 8
+                          [0.5, 0.0, 0.25, 0.0, 0.25]])     # cdf .5, .5, .75, .75, 1
+    cases = [(0.0, 1, 0), (0.2499, 1, 0), (0.25, 3, 0.5), (0.5, 3, 0.6), (0.9999, 3, 0.9999)]
+    for u0, tok0, u1 in cases:
+        got = draw(probs, torch.tensor([u0, u1], dtype=torch.float64)).tolist()
+        want1 = 0 if u1 < 0.5 else 2 if u1 < 0.75 else 4
+        assert got == [tok0, want1], f"u = {u0}, {u1}: drew {got}, the inverse CDF gives {[tok0, want1]}"
+
+
+def splitmix64(state: int):
+    """SplitMix64 written out (Steele, Lea and Flood 2014): the reference
+    generator whose (position * 3 + stream)-th output `uniform` must be."""
+    mask = (1 << 64) - 1
+    while True:
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = state
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & mask
+        yield (z ^ (z >> 31)) >> 11       # the top 53 bits: a double in [0, 1) times 2^53
+
+
+@pytest.mark.assignment("sampler")
+def test_noise_is_the_splitmix64_stream_of_its_key():
+    for key in (0, 12345, sample_key(7, 3), 2**64 - 1):
+        gen = splitmix64(key)
+        ref = [next(gen) * 2.0 ** -53 for _ in range(3 * 40)]
+        got = [uniform(key, p, s) for p in range(40) for s in (DRAW, ACCEPT, 2)]
+        assert got == ref, f"key {key}: uniform(key, position, stream) must be output position * 3 + stream"
+
+
+@pytest.mark.assignment("sampler")
 def test_noise_is_a_function_of_key_position_and_stream():
     assert uniform(5, 3) == uniform(5, 3), "counter-based: the same (key, position) gives the same noise"
     us = [uniform(sample_key(7, 0), i) for i in range(20000)]
@@ -573,7 +671,7 @@ def test_noise_is_a_function_of_key_position_and_stream():
     assert sample_key(2**64 - 1, 0) != sample_key(0, 0) and 0 <= sample_key(-2**63, 5) < 2**64
 
 
-@pytest.mark.needs("sampler")
+@pytest.mark.assignment("sampler")
 def test_logprobs_are_log_softmax_of_the_raw_logits():
     torch.manual_seed(3)
     logits = torch.randn(3, 40) * 3
@@ -782,3 +880,26 @@ def test_stop_string_matching_equals_a_naive_search():
             else:
                 got = (seen + hit[0], -hit[1])
         assert got == want, f"stops {stops} in {text!r}: got {got}, want {want}"
+
+
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("block-allocation", "prefix-caching")
+def test_preempted_sequence_goes_back_to_the_front_of_the_queue(real_tokenizer):
+    """Fairness: a preempted sequence arrived before everything still waiting,
+    so it returns to the FRONT of the queue and is readmitted first."""
+    bm = BlockManager(3, 4)                 # 12 token slots
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = make_seqs(real_tokenizer, [4, 4, 4, 4])
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()                # two seats: seqs 0 and 1 prefill, 2 and 3 wait
+    assert [i.seq for i in first] == seqs[:2] and list(sched.waiting) == seqs[2:]
+    fake_step(sched, first)
+    # Both decode into a new block, one is free: seq 1 (the newest) yields its
+    # block. It arrived before seqs 2 and 3, so it is first in line again, and
+    # the block it gave back is enough to restart its prompt in the same step.
+    second = sched.schedule()
+    assert sched.num_preemptions == 1 and seqs[1].request.metrics.preemptions == 1
+    assert [(i.seq, i.start, i.count) for i in second] == [(seqs[0], 4, 1), (seqs[1], 0, 4)], \
+        "the preempted sequence must go back to the FRONT of the waiting queue, before later arrivals"
+    assert list(sched.waiting) == [seqs[2], seqs[3]]

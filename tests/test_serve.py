@@ -229,8 +229,8 @@ def test_streaming_concatenates_to_the_full_answer(server):
                                                  "max_tokens": 20, "temperature": 0})):
         status, full = request(server, "POST", path, body)
         assert status == 200, full
-        status, payload = request(server, "POST", path, {**body, "stream": True})
-        assert status == 200
+        status, payload, resp = request(server, "POST", path, {**body, "stream": True}, full=True)
+        assert status == 200 and resp.getheader("Content-Type") == "text/event-stream", resp.getheader("Content-Type")
         chunks = sse(payload)
         if "chat" in path:
             text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
@@ -243,6 +243,18 @@ def test_streaming_concatenates_to_the_full_answer(server):
         reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
         assert reasons == [full["choices"][0]["finish_reason"]]
         assert chunks[-1]["usage"] == full["usage"]
+    # n = 3 samples (seeded: the same as unstreamed), finishing at different steps: each choice's
+    # deltas add up to its text and its finish_reason is sent once, after which it is never sent again
+    body = {"prompt": "Once upon", "max_tokens": 12, "temperature": 1.0, "seed": 3, "n": 3, "stop": ["e"]}
+    status, full = request(server, "POST", "/v1/completions", body)
+    status, payload = request(server, "POST", "/v1/completions", {**body, "stream": True})
+    chunks = sse(payload)
+    for c in full["choices"]:
+        mine = [ch for chunk in chunks for ch in chunk["choices"] if ch["index"] == c["index"]]
+        assert "".join(ch["text"] for ch in mine) == c["text"], f"choice {c['index']}: deltas != its text"
+        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == [c["finish_reason"]]
+        assert mine[-1]["finish_reason"], f"choice {c['index']}: a chunk was sent after it finished"
+    assert chunks[-1]["usage"] == full["usage"] and not chunks[-1]["choices"]
 
 
 @pytest.mark.needs("engine", "sampler", "copy-on-write", "stop-strings", "sse-stream")

@@ -165,6 +165,33 @@ def test_ngram_drafter_finds_the_most_recent_longest_match():
     assert d.propose_one([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1], "most recent occurrence wins"
     assert d.propose_one([5, 6, 1, 2, 8, 2], 3) == [8, 2], "falls back to shorter n-grams"
     assert d.propose_one([1, 2, 3], 2) == [], "no earlier occurrence, no draft"
+    assert d.propose_one([1, 2, 3, 4, 9, 3, 4, 7, 2, 3, 4], 2) == [9, 3], "the LONGEST suffix n-gram first"
+
+
+def ngram_reference(ids, k, n_max, n_min):
+    """Prompt lookup written differently: for n from n_max down, the last
+    start s < len - n where ids[s:s+n] equals the suffix, as a string search."""
+    for n in range(n_max, n_min - 1, -1):
+        if len(ids) <= n:
+            continue
+        starts = [s for s in range(len(ids) - n) if ids[s:s + n] == ids[-n:]]
+        if starts:
+            return ids[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+@pytest.mark.assignment("ngram-drafter")
+def test_ngram_drafter_against_a_reference_on_random_sequences():
+    """Random token sequences over 2-4 symbols (many repeats), every n range
+    and draft length: the drafts equal the reference's, never more than k."""
+    import random
+    rng = random.Random(0)
+    for _ in range(3000):
+        n_min = rng.randint(1, 3)
+        n_max = n_min + rng.randint(0, 3)
+        ids, k = [rng.randrange(rng.randint(2, 4)) for _ in range(rng.randint(1, 25))], rng.randint(1, 6)
+        got = NgramDrafter(n_max=n_max, n_min=n_min).propose_one(ids, k)
+        assert got == ngram_reference(ids, k, n_max, n_min), f"n {n_min}..{n_max}, k {k}, ids {ids}: {got}"
 
 
 # ------------------------------------------------------- inside the engine, real model

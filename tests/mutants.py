@@ -1,0 +1,318 @@
+"""
+tests/mutants.py -- a catalog of the bugs students really write, one small
+patch each, to prove that every assignment's tests catch them.
+
+    python tests/assignments.py mutants [--only a,b]
+
+applies each bug ALONE to a temporary copy of the repository, runs only its
+assignment's tests there (`pytest --assignment NAME -x`), and prints which
+test caught it, or NOT CAUGHT. A grader that passes a wrong answer is worse
+than none: every bug below must be caught by its OWN assignment's tests,
+not by another lesson's file (its student would still get full marks).
+
+Each entry is (assignment, file, mistake, old, new): `old` must occur exactly
+once in `file` (usually inside the assignment's region: the code a student
+writes), and `new` is what a student wrote instead. The bugs are chosen to
+be plausible, not deletions a type checker would catch: an off-by-one, the
+wrong axis or head mapping, a sign, a missing release, the wrong
+distribution, a skipped clamp or rounding. The tests were strengthened to
+catch the CLASS of each mistake (values pinned against independent
+references), so a different bug of the same kind is caught too.
+
+This file holds no solution a student could not see anyway (the `old` texts
+are fragments), but `student` copies it like any test file: an instructor
+who wants it secret deletes it from the student version.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bug:
+    assignment: str   # whose tests must catch it
+    file: str         # the source file patched, relative to the repository root
+    mistake: str      # one line: what the student got wrong
+    old: str          # exact text of the solution (must occur once in file)
+    new: str          # what the student wrote instead
+
+
+BUGS = [
+    # ------------------------------------------------------------ rmsnorm-rope (model.py)
+    Bug("rmsnorm-rope", "model.py", "RMSNorm sums the squares instead of averaging them",
+        "x.pow(2).mean(-1, keepdim=True)", "x.pow(2).sum(-1, keepdim=True)"),
+    Bug("rmsnorm-rope", "model.py", "RMSNorm adds eps after the square root",
+        "torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)",
+        "1 / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)"),
+    Bug("rmsnorm-rope", "model.py", "RoPE rotates the wrong way (sign of sin flipped)",
+        "x1 * cos - x2 * sin, x2 * cos + x1 * sin", "x1 * cos + x2 * sin, x2 * cos - x1 * sin"),
+    Bug("rmsnorm-rope", "model.py", "RoPE pairs interleaved dims (GGUF order) instead of i and i + d/2",
+        "x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]", "x1, x2 = x[..., 0::2], x[..., 1::2]"),
+    Bug("rmsnorm-rope", "model.py", "Llama 3.1 rope scaling: the blend weights swapped",
+        "blended = (1 - smooth) * scaled / factor + smooth * scaled",
+        "blended = smooth * scaled / factor + (1 - smooth) * scaled"),
+    Bug("rmsnorm-rope", "model.py", "Llama 3.1 rope scaling: low_freq_factor and high_freq_factor swapped in the band",
+        "medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)",
+        "medium = (wavelen >= old_ctx / lo) & (wavelen <= old_ctx / hi)"),
+    Bug("rmsnorm-rope", "model.py", "Llama 3.1 rope scaling: smooth factor from wavelen / old_ctx (inverted ratio)",
+        "smooth = (old_ctx / wavelen - lo) / (hi - lo)", "smooth = (wavelen / old_ctx - lo) / (hi - lo)"),
+
+    # ------------------------------------------------------------ gqa-attention (model.py)
+    Bug("gqa-attention", "model.py", "query head h read from KV head h % n_kv (interleaved) instead of h // G",
+        "qg = q.view(N, n_kv, H // n_kv, d)                               # [N, n_kv, G, d]",
+        "qg = q.view(N, H // n_kv, n_kv, d).transpose(1, 2)"),
+    Bug("gqa-attention", "model.py", "causal mask off by one: a token also sees the next one",
+        "causal = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()",
+        "causal = torch.ones(N, N, dtype=torch.bool, device=q.device).tril(1)"),
+    Bug("gqa-attention", "model.py", "scores scaled by 1/d instead of 1/sqrt(d)",
+        "scores = scores / math.sqrt(d)", "scores = scores / d"),
+    Bug("gqa-attention", "model.py", "softmax over the query axis instead of the key axis",
+        "probs = scores.softmax(dim=-1)", "probs = scores.softmax(dim=-2)"),
+
+    # ------------------------------------------------------------ bpe (tokenizer.py)
+    Bug("bpe", "tokenizer.py", "merges the pair of HIGHEST rank first",
+        "_, i = min(pairs)", "_, i = max(pairs)"),
+    Bug("bpe", "tokenizer.py", "merges the leftmost mergeable pair, whatever its rank",
+        "_, i = min(pairs)", "_, i = pairs[0]"),
+    Bug("bpe", "tokenizer.py", "equal ranks: merges the rightmost occurrence first",
+        "_, i = min(pairs)", "_, i = min(pairs, key=lambda p: (p[0], -p[1]))"),
+    Bug("bpe", "tokenizer.py", "stops merging when two parts remain",
+        "while len(parts) > 1:", "while len(parts) > 2:"),
+
+    # ------------------------------------------------------------ kv-cache-bytes (cache.py)
+    Bug("kv-cache-bytes", "cache.py", "forgets the factor 2: counts K but not V",
+        "return 2 * cfg.n_layers * cfg.n_kv_heads", "return cfg.n_layers * cfg.n_kv_heads"),
+    Bug("kv-cache-bytes", "cache.py", "counts query heads instead of KV heads (no GQA saving)",
+        "cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits", "cfg.n_heads * cfg.head_dim * torch.finfo(dtype).bits"),
+    Bug("kv-cache-bytes", "cache.py", "bits instead of bytes per value",
+        "torch.finfo(dtype).bits // 8 * num_tokens", "torch.finfo(dtype).bits * num_tokens"),
+    Bug("kv-cache-bytes", "cache.py", "rounds the block count up: the pool exceeds the budget",
+        "return int(budget_bytes // (bytes_per_token * block_size))",
+        "return math.ceil(budget_bytes / (bytes_per_token * block_size))"),
+
+    # ------------------------------------------------------------ paged-attention (cache.py)
+    Bug("paged-attention", "cache.py", "query positions off by one: a query does not see its own token",
+        "q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)",
+        "q_pos = torch.arange(seq_len - n_q - 1, seq_len - 1, device=q.device)"),
+    Bug("paged-attention", "cache.py", "query positions counted from 0, ignoring the cached prefix",
+        "q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)",
+        "q_pos = torch.arange(n_q, device=q.device)"),
+    Bug("paged-attention", "cache.py", "query head h read from KV head h % n_kv (interleaved grouping)",
+        "qg = q[start:start + n_q].view(n_q, n_kv, H // n_kv, d)",
+        "qg = q[start:start + n_q].view(n_q, H // n_kv, n_kv, d).transpose(1, 2)"),
+    Bug("paged-attention", "cache.py", "scores not scaled by 1/sqrt(d)",
+        "k.float()) / math.sqrt(d)  # [n_kv, G, n_q, T]", "k.float())  # [n_kv, G, n_q, T]"),
+    Bug("paged-attention", "cache.py", "the batch's query offset never advances (every sequence reads the first queries)",
+        "        start += n_q\n    return out", "    return out"),
+
+    # ------------------------------------------------------------ block-allocation (cache.py)
+    Bug("block-allocation", "cache.py", "takes the MOST recently used free block (LIFO) instead of the least",
+        "block, _ = self.free_blocks.popitem(last=False)", "block, _ = self.free_blocks.popitem()"),
+    Bug("block-allocation", "cache.py", "frees a table head-first: a prompt's first blocks are evicted first",
+        "for block in reversed(table):\n            self._release(block)",
+        "for block in table:\n            self._release(block)"),
+    Bug("block-allocation", "cache.py", "a released block goes to the evict-first end of the free list",
+        "self.free_blocks[block] = None          # most recently used end: evicted last",
+        "self.free_blocks[block] = None\n            self.free_blocks.move_to_end(block, last=False)"),
+    Bug("block-allocation", "cache.py", "slot = block + offset (forgets to multiply by block_size)",
+        "return [table[p // bs] * bs + p % bs for p in range(start, start + count)]",
+        "return [table[p // bs] + p % bs for p in range(start, start + count)]"),
+    Bug("block-allocation", "cache.py", "reserve grows the table one block too many on a block boundary",
+        "while len(table) * bs < start + count:\n            table.append", 
+        "while len(table) * bs <= start + count:\n            table.append"),
+    Bug("block-allocation", "cache.py", "a reused free block keeps its prefix-cache entry (stale hit)",
+        "        self._forget(block)                         # evicted from the prefix cache\n", ""),
+
+    # ------------------------------------------------------------ prefix-caching (cache.py)
+    Bug("prefix-caching", "cache.py", "reuses the block of the last token: a fully cached prompt computes nothing",
+        "for i in range((len(token_ids) - 1) // bs):", "for i in range(len(token_ids) // bs):"),
+    Bug("prefix-caching", "cache.py", "lookup hashes each block alone, not chained to its parent",
+        "h = self._key(parent, tokens)\n                block = self.cached.get(h)",
+        "h = self._key(None, tokens)\n                block = self.cached.get(h)"),
+    Bug("prefix-caching", "cache.py", "trusts the hash: no comparison of the stored tokens (collisions)",
+        "if block is None or self.block_key[block][1:] != (parent, tokens):", "if block is None:"),
+    Bug("prefix-caching", "cache.py", "a revived cached block stays in the free list",
+        "del self.free_blocks[block]      # revive a cached free block", "pass"),
+    Bug("prefix-caching", "cache.py", "registers the partly filled last block too",
+        "for i in range(done, num_computed // bs):", "for i in range(done, -(-num_computed // bs)):"),
+    Bug("prefix-caching", "cache.py", "resuming registration restarts the hash chain from None",
+        "done, parent = self.hashed.get(seq_id, (0, None))\n        for i in range(done, num_computed // bs):",
+        "done, parent = self.hashed.get(seq_id, (0, None))[0], None\n        for i in range(done, num_computed // bs):"),
+    Bug("prefix-caching", "cache.py", "hits are not counted (the hit rate stays 0)",
+        "                self.prefix_hits += 1\n", ""),
+
+    # ------------------------------------------------------------ copy-on-write (cache.py)
+    Bug("copy-on-write", "cache.py", "fork sets each shared block's ref count to 2 instead of incrementing it",
+        "self.ref_count[b] += 1\n        self.hashed[child_id]", "self.ref_count[b] = 2\n        self.hashed[child_id]"),
+    Bug("copy-on-write", "cache.py", "fork aliases the parent's table (same list object)",
+        "self.tables[child_id] = list(self.tables[parent_id])", "self.tables[child_id] = self.tables[parent_id]"),
+    Bug("copy-on-write", "cache.py", "copy-on-write never releases the shared block (ref count leak)",
+        "                self._release(table[i])\n", ""),
+    Bug("copy-on-write", "cache.py", "copy-on-write records the copy backwards (dst, src)",
+        "self.pending_copies.append((table[i], new))", "self.pending_copies.append((new, table[i]))"),
+    Bug("copy-on-write", "cache.py", "copy-on-write swaps in the private block but never records the data copy",
+        "                self.pending_copies.append((table[i], new))\n", ""),
+    Bug("copy-on-write", "cache.py", "copy-on-write changes the table without telling the engine (stale table rows)",
+        "                table[i] = new\n                self._touch(seq_id)\n", "                table[i] = new\n"),
+
+    # ------------------------------------------------------------ scheduler-step (scheduler.py)
+    Bug("scheduler-step", "scheduler.py", "a preempted sequence is requeued at the BACK of the waiting queue",
+        "self.waiting.appendleft(seq)", "self.waiting.append(seq)"),
+    Bug("scheduler-step", "scheduler.py", "preempts the OLDEST running sequence while the pool is short",
+        "victim = self.running[-1]        # the newest", "victim = self.running[0]        # the newest"),
+    Bug("scheduler-step", "scheduler.py", "a prefill chunk ignores the remaining token budget",
+        "count = self._fit(seq, seq.num_computed, min(seq.remaining, budget))",
+        "count = self._fit(seq, seq.num_computed, seq.remaining)"),
+    Bug("scheduler-step", "scheduler.py", "decode tokens are not charged to the step's token budget",
+        "            out.append(ScheduledSeq(seq, seq.num_computed, count))\n            budget -= count\n"
+        "        scheduled",
+        "            out.append(ScheduledSeq(seq, seq.num_computed, count))\n        scheduled"),
+    Bug("scheduler-step", "scheduler.py", "seat limit off by one: max_num_seqs - 1 sequences run",
+        "if len(self.running) + self._seats(seq) > self.max_num_seqs:",
+        "if len(self.running) + self._seats(seq) >= self.max_num_seqs:"),
+    Bug("scheduler-step", "scheduler.py", "a preempted sequence keeps its num_computed (stale cache count)",
+        "seq.num_computed, seq.status, seq.draft_tokens = 0, WAITING, []",
+        "seq.status, seq.draft_tokens = WAITING, []"),
+
+    # ------------------------------------------------------------ sampler (scheduler.py)
+    Bug("sampler", "scheduler.py", "top-k keeps k + 1 tokens",
+        "vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values          # [Rk, kmax], descending\n"
+        "        kth = vals.gather(1, torch.tensor([[top_k[i] - 1] for i in k_rows], device=logits.device))",
+        "vals = sub.topk(max(top_k[i] for i in k_rows) + 1, dim=-1).values\n"
+        "        kth = vals.gather(1, torch.tensor([[top_k[i]] for i in k_rows], device=logits.device))"),
+    Bug("sampler", "scheduler.py", "temperature multiplies the logits instead of dividing them",
+        "logits = logits / temperature[:, None]", "logits = logits * temperature[:, None]"),
+    Bug("sampler", "scheduler.py", "top-p drops the token that crosses the threshold",
+        "before = probs.cumsum(dim=-1) - probs ", "before = probs.cumsum(dim=-1) "),
+    Bug("sampler", "scheduler.py", "top-k keeps only the tokens strictly above the k-th (k - 1 tokens)",
+        "logits[rows] = sub.masked_fill(sub < kth, float(\"-inf\"))",
+        "logits[rows] = sub.masked_fill(sub <= kth, float(\"-inf\"))"),
+    Bug("sampler", "scheduler.py", "inverse CDF with right=False: a zero-probability token can be drawn",
+        "torch.searchsorted(cdf, x, right=True)", "torch.searchsorted(cdf, x, right=False)"),
+    Bug("sampler", "scheduler.py", "draw ignores the total mass: unnormalized probs sampled wrong",
+        "x = (u.double() * cdf[:, -1])[:, None]", "x = u.double()[:, None]"),
+    Bug("sampler", "scheduler.py", "noise counter forgets the stream spacing: streams overlap across positions",
+        "(position * 3 + stream + 1) * GOLDEN", "(position + stream + 1) * GOLDEN"),
+    Bug("sampler", "scheduler.py", "logprobs computed from temperature-scaled logits",
+        "logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)",
+        "logp = (logits[torch.as_tensor(ridx, device=logits.device)] / 0.7).log_softmax(dim=-1)"),
+
+    # ------------------------------------------------------------ stop-strings (scheduler.py)
+    Bug("stop-strings", "scheduler.py", "on a mismatch the match restarts from 0 instead of the failure table",
+        "while k and s[k] != ch:\n                    k = self.fail[j][k - 1]",
+        "if k and s[k] != ch:\n                    k = 0"),
+    Bug("stop-strings", "scheduler.py", "stop strings searched only in the new piece (state not carried over)",
+        "k = self.state[j]\n", "k = 0\n"),
+    Bug("stop-strings", "scheduler.py", "of two stop strings ending at one character, reports the first listed",
+        "hit, k = max(hit, k), self.fail[j][k - 1]", "hit, k = hit or k, self.fail[j][k - 1]"),
+    Bug("stop-strings", "scheduler.py", "end index off by one (the stop string's last character kept)",
+        "return i + 1, hit", "return i + 2, hit"),
+    Bug("stop-strings", "scheduler.py", "partial looks at the first stop string only",
+        "return max(self.state)", "return self.state[0]"),
+    Bug("stop-strings", "scheduler.py", "KMP fallback off by one (fail[k] instead of fail[k - 1])",
+        "while k and s[k] != ch:\n                    k = self.fail[j][k - 1]",
+        "while k and s[k] != ch:\n                    k = self.fail[j][k]"),
+
+    # ------------------------------------------------------------ rejection-sampling (speculative.py)
+    Bug("rejection-sampling", "speculative.py", "batched: resamples a rejection from q instead of max(q - p, 0)",
+        "residual = (final - draft_probs[rows, at]).clamp(min=0)", "residual = final"),
+    Bug("rejection-sampling", "speculative.py", "single: resamples a rejection from q instead of max(q - p, 0)",
+        "residual = (target_probs[i] - draft_probs[i]).clamp(min=0)", "residual = target_probs[i]"),
+    Bug("rejection-sampling", "speculative.py", "batched: accepts with probability p/q instead of q/p",
+        "accept_u < q / p.clamp(min=1e-30)", "accept_u < p / q.clamp(min=1e-30)"),
+    Bug("rejection-sampling", "speculative.py", "batched: counts every accepted draft, not the accepted prefix",
+        "n_acc = accept.long().cumprod(dim=1).sum(dim=1)", "n_acc = accept.long().sum(dim=1)"),
+    Bug("rejection-sampling", "speculative.py", "batched: the bonus token is drawn from the last draft's residual",
+        "rejected = (n_acc < num_drafts)[:, None]", "rejected = (n_acc <= num_drafts)[:, None]"),
+    Bug("rejection-sampling", "speculative.py", "batched: residual not clamped at 0 (negative mass)",
+        "residual = (final - draft_probs[rows, at]).clamp(min=0)", "residual = final - draft_probs[rows, at]"),
+    Bug("rejection-sampling", "speculative.py", "single: the bonus token is drawn from the last draft's row",
+        "torch.multinomial(target_probs[k], 1, generator=generator)",
+        "torch.multinomial(target_probs[k - 1], 1, generator=generator)"),
+    Bug("rejection-sampling", "speculative.py", "deterministic drafts: zeroes the first draft's token, not the rejected one",
+        "residual = final.scatter(1, draft_tokens[rows, at].long()", "residual = final.scatter(1, draft_tokens[rows, 0].long()"),
+
+    # ------------------------------------------------------------ ngram-drafter (speculative.py)
+    Bug("ngram-drafter", "speculative.py", "takes the OLDEST earlier occurrence instead of the most recent",
+        "for start in range(L - n - 1, -1, -1):", "for start in range(L - n):"),
+    Bug("ngram-drafter", "speculative.py", "tries the shortest n-gram first",
+        "for n in range(self.n_max, self.n_min - 1, -1):", "for n in range(self.n_min, self.n_max + 1):"),
+    Bug("ngram-drafter", "speculative.py", "never tries n = n_min (range end off by one)",
+        "for n in range(self.n_max, self.n_min - 1, -1):", "for n in range(self.n_max, self.n_min, -1):"),
+    Bug("ngram-drafter", "speculative.py", "proposes the matched n-gram itself instead of what followed it",
+        "return token_ids[start + n:start + n + k]", "return token_ids[start:start + k]"),
+    Bug("ngram-drafter", "speculative.py", "proposes one token too many (k + 1)",
+        "return token_ids[start + n:start + n + k]", "return token_ids[start + n:start + n + k + 1]"),
+
+    # ------------------------------------------------------------ int8 (quantize.py)
+    Bug("int8", "quantize.py", "truncates toward zero instead of rounding",
+        "q = torch.round(w.float() / scale).clamp(-QMAX, QMAX)", "q = (w.float() / scale).trunc().clamp(-QMAX, QMAX)"),
+    Bug("int8", "quantize.py", "scale = absmax / 128 (the outlier clips to 127)",
+        "absmax / QMAX, torch.ones_like(absmax)", "absmax / 128, torch.ones_like(absmax)"),
+    Bug("int8", "quantize.py", "rounds half away from zero by adding 0.5 and truncating (wrong for negatives)",
+        "q = torch.round(w.float() / scale).clamp(-QMAX, QMAX)", "q = (w.float() / scale + 0.5).trunc().clamp(-QMAX, QMAX)"),
+    Bug("int8", "quantize.py", "an all-zero slice divides by a zero scale",
+        "scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))", "scale = absmax / QMAX"),
+    Bug("int8", "quantize.py", "dequantize divides by the scale",
+        "return q.to(dtype) * scale.unsqueeze(dim).to(dtype)", "return q.to(dtype) / scale.unsqueeze(dim).to(dtype)"),
+    Bug("int8", "quantize.py", "Int8Linear scales the bias too",
+        "return y if self.bias is None else y + self.bias\n        # end assignment",
+        "return y if self.bias is None else y + self.bias * self.scale\n        # end assignment"),
+    Bug("int8", "quantize.py", "int8 KV cache: V dequantized with K's scales",
+        "v = dequantize_int8(self.v[layer][block_ids], self.v_scale[layer][block_ids]",
+        "v = dequantize_int8(self.v[layer][block_ids], self.k_scale[layer][block_ids]"),
+
+    # ------------------------------------------------------------ decode-attention (kernels.py)
+    Bug("decode-attention", "kernels.py", "key mask off by one: a query does not see its own token",
+        "visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]\n    out",
+        "visible = torch.arange(T, device=q.device)[None, None, :] < q_pos[:, :, None]\n    out"),
+    Bug("decode-attention", "kernels.py", "ragged queries: positions from the padded Q, not each sequence's query_lens",
+        "q_pos = seq_lens[:, None] - query_lens[:, None] + i", "q_pos = seq_lens[:, None] - Q + i"),
+    Bug("decode-attention", "kernels.py", "K/V heads tiled (h % n_kv) instead of grouped (h // G)",
+        "out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v,",
+        "out = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat(1, H // n_kv, 1, 1), "
+        "v.repeat(1, H // n_kv, 1, 1),"),
+    Bug("decode-attention", "kernels.py", "gathered K/V viewed with heads before tokens (wrong axis order)",
+        "k, v = k.view(B, T, n_kv, d).transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)",
+        "k, v = k.reshape(B, n_kv, T, d), v.reshape(B, n_kv, T, d)"),
+
+    # ------------------------------------------------------------ tensor-parallel (parallel.py)
+    Bug("tensor-parallel", "parallel.py", "row-parallel slices the OUTPUT rows instead of the input columns",
+        "_narrow_(linear, \"weight\", 1, rank, world_size)          # W [out, in/N]",
+        "_narrow_(linear, \"weight\", 0, rank, world_size)"),
+    Bug("tensor-parallel", "parallel.py", "row-parallel keeps the bias inside the linear: added on every rank",
+        "        linear.bias = None\n", ""),
+    Bug("tensor-parallel", "parallel.py", "column-parallel leaves the int8 scales unsliced",
+        "for name in (\"weight\", \"bias\", \"scale\"):", "for name in (\"weight\", \"bias\"):"),
+    Bug("tensor-parallel", "parallel.py", "vocab-parallel embedding does not zero other ranks' ids",
+        "        x = x.masked_fill(~mine[:, None], 0)                     # ... and are zeroed\n", ""),
+    Bug("tensor-parallel", "parallel.py", "vocab-parallel embedding looks up global ids without the rank's offset",
+        "x = self.embed(torch.where(mine, ids - self.start, 0))", "x = self.embed(torch.where(mine, ids % self.end, 0))"),
+
+    # ------------------------------------------------------------ sse-stream (serve.py)
+    Bug("sse-stream", "serve.py", "no data: [DONE] at the end of the stream",
+        "            self.wfile.write(b\"data: [DONE]\\n\\n\")\n", ""),
+    Bug("sse-stream", "serve.py", "events end with one newline instead of a blank line",
+        "json.dumps(data).encode() + b\"\\n\\n\")", "json.dumps(data).encode() + b\"\\n\")"),
+    Bug("sse-stream", "serve.py", "chat stream never names the role",
+        "event([{\"index\": i, \"delta\": {\"role\": \"assistant\", \"content\": \"\"}",
+        "event([{\"index\": i, \"delta\": {\"content\": \"\"}"),
+    Bug("sse-stream", "serve.py", "a finished choice keeps being sent in later chunks",
+        "                    if c.finish_reason:\n                        done.add(c.index)\n", ""),
+    Bug("sse-stream", "serve.py", "no usage chunk before [DONE]",
+        "event([], usage=usage(final))", "pass"),
+    Bug("sse-stream", "serve.py", "served as application/json instead of text/event-stream",
+        "self.send_header(\"Content-Type\", \"text/event-stream\")", "self.send_header(\"Content-Type\", \"application/json\")"),
+
+    # ------------------------------------------------------------ roofline (bench.py)
+    Bug("roofline", "bench.py", "forgets the LM head",
+        "return cfg.n_layers * per_layer + 2 * d * cfg.vocab_size", "return cfg.n_layers * per_layer"),
+    Bug("roofline", "bench.py", "k and v projections sized by the query heads",
+        "2 * d * kv * hd + h * hd * d", "2 * d * h * hd + h * hd * d"),
+    Bug("roofline", "bench.py", "attention counted once (QK^T only, not PV)",
+        "4 * h * hd * context", "2 * h * hd * context"),
+    Bug("roofline", "bench.py", "one FLOP per weight instead of two (multiply and add)",
+        "per_layer = 2 * (d * h * hd", "per_layer = (d * h * hd"),
+    Bug("roofline", "bench.py", "the SwiGLU MLP counted as two matrices instead of three",
+        "3 * d * f", "2 * d * f"),
+]
