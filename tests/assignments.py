@@ -400,6 +400,7 @@ def chosen_names(only: str | None) -> list[str]:
 def cmd_student(args) -> int:
     names = chosen_names(args.only)
     regions = write_copy(ROOT, args.out, set(names))
+    os.remove(os.path.join(args.out, "tests", "mutants.py"))   # the bug catalog quotes solution lines
     print(f"wrote {args.out}: {len(names)} assignments blanked ({len(regions)} regions): {', '.join(names)}")
     for line in leaks(ROOT, args.out, regions):
         print(f"warning: the solution is still in the copy at {line}")

@@ -19,9 +19,8 @@ distribution, a skipped clamp or rounding. The tests were strengthened to
 catch the CLASS of each mistake (values pinned against independent
 references), so a different bug of the same kind is caught too.
 
-This file holds no solution a student could not see anyway (the `old` texts
-are fragments), but `student` copies it like any test file: an instructor
-who wants it secret deletes it from the student version.
+The `old` texts quote lines of the solution, so `student` leaves this file
+out of the student version: it is the instructor's.
 """
 from __future__ import annotations
 
