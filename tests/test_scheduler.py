@@ -343,6 +343,60 @@ def test_interrupted_generate_leaves_nothing_running(tiny_path, monkeypatch):
     assert_no_leak(llm)
 
 
+def within(seconds, fn, what):
+    """Run fn in a daemon thread and fail, instead of hanging the whole suite,
+    if it has not returned in time (an endless loop in student code)."""
+    import threading
+    box = {}
+
+    def run():
+        try:
+            box["ok"] = fn()
+        except BaseException as e:                  # noqa: B902  re-raised in the test's thread
+            box["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"{what} (still running after {seconds} s)")
+    if "error" in box:
+        raise box["error"]
+
+
+@pytest.mark.assignment("stop-strings")
+def test_stop_strings_against_brute_force():
+    """StopStrings fed random text in random pieces (stop strings that overlap
+    themselves and each other, over a 2-3 letter alphabet) against str.find:
+    the first stop string completed, in the piece where it completes, with
+    the end relative to that piece; before it, `partial` is the longest
+    prefix of a stop string the text ends with (what must be held back)."""
+    within(60, _brute_force_stop_strings, "StopStrings.feed never returned: an endless loop in the "
+           "failure-table fallback? (each fallback must make the match shorter)")
+
+
+def _brute_force_stop_strings():
+    import random
+    rng = random.Random(0)
+    for trial in range(400):
+        alphabet = "ab" if trial % 2 else "abc"
+        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+                      for _ in range(rng.randint(1, 3))})
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        matcher, seen = StopStrings(stops), ""
+        while text:
+            piece = text[:rng.randint(1, 4)]
+            text = text[len(piece):]
+            got, want = matcher.feed(piece), first_stop(stops, seen + piece)
+            if want is not None:
+                want = (want[0] - len(seen), want[1])
+            assert got == want, f"stops {stops}, text {seen!r} + piece {piece!r}: feed gave {got}, expected {want}"
+            if got is not None:
+                break                          # the engine stops at the first stop string
+            seen += piece
+            assert matcher.partial == open_match(stops, seen), \
+                f"stops {stops}, text {seen!r}: partial {matcher.partial}, expected {open_match(stops, seen)}"
+
+
 @pytest.mark.assignment("stop-strings")
 @pytest.mark.needs("engine")
 def test_streamed_deltas_add_up_and_never_show_a_stop_string(tiny_llm):
@@ -415,35 +469,6 @@ def first_stop(stops, text):
 def open_match(stops, text):
     """Brute force: the longest proper prefix of a stop string that text ends with."""
     return max(k for s in stops for k in range(len(s)) if text.endswith(s[:k]))
-
-
-@pytest.mark.assignment("stop-strings")
-def test_stop_strings_against_brute_force():
-    """StopStrings fed random text in random pieces (stop strings that overlap
-    themselves and each other, over a 2-3 letter alphabet) against str.find:
-    the first stop string completed, in the piece where it completes, with
-    the end relative to that piece; before it, `partial` is the longest
-    prefix of a stop string the text ends with (what must be held back)."""
-    import random
-    rng = random.Random(0)
-    for trial in range(400):
-        alphabet = "ab" if trial % 2 else "abc"
-        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
-                      for _ in range(rng.randint(1, 3))})
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
-        matcher, seen = StopStrings(stops), ""
-        while text:
-            piece = text[:rng.randint(1, 4)]
-            text = text[len(piece):]
-            got, want = matcher.feed(piece), first_stop(stops, seen + piece)
-            if want is not None:
-                want = (want[0] - len(seen), want[1])
-            assert got == want, f"stops {stops}, text {seen!r} + piece {piece!r}: feed gave {got}, expected {want}"
-            if got is not None:
-                break                          # the engine stops at the first stop string
-            seen += piece
-            assert matcher.partial == open_match(stops, seen), \
-                f"stops {stops}, text {seen!r}: partial {matcher.partial}, expected {open_match(stops, seen)}"
 
 
 @pytest.mark.assignment("stop-strings")
