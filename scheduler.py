@@ -283,6 +283,44 @@ def sample_tokens(logits, reqs: list[SampleRequest]):
     return out
 
 
+def sample_requests(batch, scheduler, tokenizer):
+    """Which sequences sample this step, from which logits rows: the last
+    position of every sequence whose cache will hold all its known tokens
+    (it samples a next token), or all 1 + k positions of a verification.
+    A prompt of a request with n > 1 forks here (copy-on-write)."""
+    asks, rows, end = [], [], 0
+    for item in batch:
+        seq = item.seq
+        end += item.count                      # this sequence's tokens end here in the flat batch
+        if seq.draft_tokens:
+            asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
+                                            seq.num_output, seq.draft_probs)))
+            rows += range(end - item.count, end)
+        elif item.start + item.count == len(seq.token_ids):
+            for s in [seq] + scheduler.fork(seq, item.start + item.count, tokenizer):   # children share the row
+                asks.append((s, SampleRequest(len(rows), [], s.params, s.key, s.num_output)))
+            rows.append(end - 1)
+    return asks, rows
+
+
+def sample_isolated(logits, asks, fail):
+    """One batched draw for every sequence. If it raises, no single request
+    is known to be the cause: sample each alone (the noise is a function of
+    the request, so the tokens are the same), and fail only those whose
+    own sampling raises."""
+    try:
+        return sample_tokens(logits, [a for _, a in asks]) if asks else []
+    except Exception:
+        new = []
+        for seq, ask in asks:
+            try:
+                new += sample_tokens(logits, [ask])
+            except Exception as e:
+                fail(seq.request, f"sampling failed: {type(e).__name__}: {e}")
+                new.append(([], None, True))      # skipped by _append_all: its request failed
+        return new
+
+
 def _sample_rows(logits, reqs, ridx, d, n):
     """Sampled (temperature > 0) sequences: filtered target distributions, the
     rejection rule over the drafts, and one inverse-CDF draw each."""
@@ -1055,9 +1093,9 @@ class LLM:
             if not batch:
                 self._unschedulable(fail)
                 return [r.output() for r in failed.values()]
-            asks, rows = self._sample_requests(batch)             # who samples from which logits rows
+            asks, rows = sample_requests(batch, self.scheduler, self.tokenizer)   # who samples, from which rows
             logits = self._forward(batch, rows)                   # 2. one pass over every scheduled token
-            new = self._sample(logits, asks, fail)                # 3. one wait for the device
+            new = sample_isolated(logits, asks, fail)             # 3. one wait for the device
         except Exception as e:                                    # no single request explains it
             print(f"nanoinfer: engine step failed: {e!r}", file=sys.stderr)
             self.block_manager.pending_copies.clear()
@@ -1068,24 +1106,6 @@ class LLM:
             return [r.output() for r in failed.values()]
         return self._append_all(batch, asks, new, fail, failed)   # 4. append, stop, report
 
-    @staticmethod
-    def _sample(logits, asks, fail):
-        """One batched draw for every sequence. If it raises, no single request
-        is known to be the cause: sample each alone (the noise is a function of
-        the request, so the tokens are the same), and fail only those whose
-        own sampling raises."""
-        try:
-            return sample_tokens(logits, [a for _, a in asks]) if asks else []
-        except Exception:
-            new = []
-            for seq, ask in asks:
-                try:
-                    new += sample_tokens(logits, [ask])
-                except Exception as e:
-                    fail(seq.request, f"sampling failed: {type(e).__name__}: {e}")
-                    new.append(([], None, True))      # skipped by _append_all: its request failed
-            return new
-
     def _unschedulable(self, fail):
         """Nothing could run although requests wait: with nothing running, the
         oldest waiting request can never fit. Fail it rather than spin."""
@@ -1093,25 +1113,6 @@ class LLM:
             seq = self.scheduler.waiting[0]
             fail(seq.request, f"request {seq.request.request_id} cannot be scheduled even in an empty "
                               f"engine ({len(seq.token_ids)} tokens, {self.block_manager.num_blocks} blocks)")
-
-    def _sample_requests(self, batch):
-        """Which sequences sample this step, from which logits rows: the last
-        position of every sequence whose cache will hold all its known tokens
-        (it samples a next token), or all 1 + k positions of a verification.
-        A prompt of a request with n > 1 forks here (copy-on-write)."""
-        asks, rows, end = [], [], 0
-        for item in batch:
-            seq = item.seq
-            end += item.count                      # this sequence's tokens end here in the flat batch
-            if seq.draft_tokens:
-                asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
-                                                seq.num_output, seq.draft_probs)))
-                rows += range(end - item.count, end)
-            elif item.start + item.count == len(seq.token_ids):
-                for s in [seq] + self.scheduler.fork(seq, item.start + item.count, self.tokenizer):   # children share the row
-                    asks.append((s, SampleRequest(len(rows), [], s.params, s.key, s.num_output)))
-                rows.append(end - 1)
-        return asks, rows
 
     def _forward(self, batch: list[ScheduledSeq], logits_rows: list[int]):
         """One forward pass over the flat batch of every scheduled token."""

@@ -1174,7 +1174,8 @@ def one_shot(llm: LLM, prompt: str, chat: bool, params: SamplingParams, out=None
     return o
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line: every engine option of LLM, the serving limits, one-shot mode."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -1212,7 +1213,11 @@ def main(argv=None):
     one.add_argument("--chat", action="store_true", help="one-shot: wrap --prompt in the chat template")
     one.add_argument("--max-tokens", type=int, default=256, help="one-shot: tokens to generate")
     one.add_argument("--temperature", type=float, default=0.0, help="one-shot: 0 = greedy")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     # Every engine option of LLM is a flag, so a lesson's feature can be served
     # as well as benchmarked (e.g. --compile --quantization int8).
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
