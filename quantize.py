@@ -221,6 +221,13 @@ class Int8KVCache(KVCache):
         self.v_scale[:, dst] = self.v_scale[:, src]
 
 
+
+def make_kv_cache(cfg, num_blocks: int, block_size: int, kv_cache_dtype, device, dtype) -> KVCache:
+    """The one place a KV pool is made: the model's dtype (None) or int8."""
+    if kv_cache_dtype not in (None, "int8"):
+        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
+    return (Int8KVCache if kv_cache_dtype == "int8" else KVCache)(cfg, num_blocks, block_size, device, dtype)
+
 # ----------------------------------------------------------------------------
 # Quality: perplexity on a fixed English text
 # ----------------------------------------------------------------------------
