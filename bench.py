@@ -70,9 +70,11 @@ from cache import AttentionContext, BlockManager, kv_cache_bytes
 from model import PRESETS, RANDOM_PREFIX, default_model_path, generate, load_model, parse_random_path
 from parallel import (NVLINK_H100_SXM, PCIE_GEN5_X16, TensorParallelError, TensorParallelGroup,
                       check_tensor_parallel, tensor_parallel_cost)
-from quantize import decode_weight_bytes, eval_text
+from kernels import batched_paged_attention, dynamic, layer_cache, paged_attention_in_place, size_oblivious
+from quantize import decode_weight_bytes
 from scheduler import LLM, SamplingParams, resolve_device_dtype
 from serve import make_server
+from support.timing import device_sync, median_seconds, timed
 
 # ----------------------------------------------------------------------------
 # The scale: which model the timing experiments run on
@@ -202,26 +204,12 @@ class Bench:
             return LLM(self.note(path or self.path), **kw)
 
     def sync(self):
-        if self.device.type == "cuda":  # pragma: no cover (CUDA)
-            torch.cuda.synchronize()
+        device_sync(self.device)()
 
     def timeit(self, fn, repeats: int, warmup: int = 1) -> float:
-        """Median seconds of fn() over repeats, after warm-up calls."""
-        # Warm-up first: the first call pays for allocator growth, lazy
-        # initialisation and (with torch.compile) compilation, none of which
-        # is the steady-state cost we want to compare.
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            self.sync()                     # GPU work is asynchronous: wait for it, or we time the launch
-            times.append(time.perf_counter() - t0)
-        # The median, not the mean: on a shared machine one slow outlier (another
-        # process, a page fault) should not move the figure.
-        return statistics.median(times)
+        """Median seconds of fn() over repeats, after warm-up calls, synchronized
+        with the bench's device (support/timing.py: why each of those)."""
+        return median_seconds(fn, repeats, warmup, sync=self.sync)
 
     @staticmethod
     def progress(msg: str):
@@ -316,6 +304,40 @@ def model_flops_per_token(cfg, context: int) -> float:
     # end assignment
 
 
+# ----------------------------------------------------------------------------
+# Quality: perplexity on a fixed English text, dense and through the engine
+# ----------------------------------------------------------------------------
+
+EVAL_TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures", "eval_text.txt")
+
+
+def eval_text() -> str:
+    """The evaluation text: English prose written for this project, shipped
+    with it, so the figure is the same on every machine and offline."""
+    with open(EVAL_TEXT_PATH, encoding="utf-8") as f:
+        return f.read()
+
+
+@torch.inference_mode()
+def perplexity(model: torch.nn.Module, token_ids: list[int], window: int = 512) -> float:
+    """exp(mean negative log-likelihood) of each token given the ones before it.
+
+    The text is cut into windows of `window` predicted tokens, each run through
+    the dense path (no cache); every token after the first is predicted once.
+    Lower is better; a uniform guess over V tokens scores V.
+    """
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least two tokens")
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = torch.tensor(token_ids[start:start + window + 1], device=device)   # window + 1 tokens
+        logits = model(chunk[:-1], torch.arange(len(chunk) - 1, device=device))     # [T, V]
+        nll += F.cross_entropy(logits.float(), chunk[1:], reduction="sum").item()
+        count += len(chunk) - 1
+    return math.exp(nll / count)
+
+
 @torch.inference_mode()
 def paged_perplexity(llm, ids: list[int], chunk: int = 256) -> float:
     """Perplexity through the engine's own path: paged KV cache (int8 if so
@@ -327,9 +349,8 @@ def paged_perplexity(llm, ids: list[int], chunk: int = 256) -> float:
     bm.allocate(sid, [])
     for start in range(0, len(ids) - 1, chunk):
         toks = ids[start:min(start + chunk, len(ids) - 1)]
-        slots = bm.append_slots(sid, start, len(toks))
-        x, pos, ctx = AttentionContext.build(llm.cache, bm, [(sid, toks, start, slots)],
-                                             list(range(len(toks))), llm.device)
+        bm.reserve(sid, start, len(toks))
+        x, pos, ctx = AttentionContext.build(llm.cache, bm, [(sid, toks, start)], list(range(len(toks))), llm.device)
         logits = llm.model(x, pos, ctx)
         target = torch.tensor(ids[start + 1:start + 1 + len(toks)], device=llm.device)
         nll += F.cross_entropy(logits.float(), target, reduction="sum").item()
@@ -466,13 +487,6 @@ def exp_roofline(b: Bench):
     return fig, text
 
 
-def timed(b: Bench, fn, repeats: int, warmup: int):
-    """(median seconds, fn's last result): a long run timed once is also the run whose result we check."""
-    results = []
-    t = b.timeit(lambda: results.append(fn()), repeats, warmup)
-    return t, results[-1]
-
-
 def exp_kv_cache(b: Bench):
     # No prefix caching: every cached run must compute its prompt too, as the naive one does.
     llm = b.llm(max_num_seqs=1, enable_prefix_caching=False)
@@ -486,10 +500,10 @@ def exp_kv_cache(b: Bench):
     for n in b.q([32, 128, 256], [8, 16], gpu=[64, 256, 1024]):
         reps = b.q(3, 1, gpu=3 if n < 256 else 1)
         b.progress(f"kv-cache: {n} tokens, naive")
-        t_naive, naive_ids = timed(b, lambda: generate(llm.model, prompt, n), reps, warmup=0 if n > 64 else 1)
+        t_naive, naive_ids = timed(lambda: generate(llm.model, prompt, n), reps, 0 if n > 64 else 1, b.sync)
         b.progress(f"kv-cache: {n} tokens, cached")
         params = SamplingParams(max_tokens=n, ignore_eos=True)
-        t_cache, out = timed(b, lambda: llm.generate([prompt], params)[0], reps, warmup=1 if reps > 1 else 0)
+        t_cache, out = timed(lambda: llm.generate([prompt], params)[0], reps, 1 if reps > 1 else 0, b.sync)
         same = out.token_ids == naive_ids
         rows.append([n, t_naive / n * 1e3, t_cache / n * 1e3, t_naive / t_cache, same])
         fig["lengths"].append({"tokens": n, "naive_ms_per_token": t_naive / n * 1e3,
@@ -728,6 +742,40 @@ def exp_quantization(b: Bench):
             "path.\n\n" + table(["weights", "activations", "weight MB/step", "KV B/token", "tokens/s batch 1",
                                   f"tokens/s batch {big}", "perplexity"], rows))
     return fig, text
+
+
+_compiled_attention = None
+
+
+def attention_bandwidth(cache, n_heads: int, batch: int, context: int, repeats: int = 5) -> dict:
+    """Achieved bandwidth of one layer's decode attention (kernels.py's two).
+
+    `batch` sequences of `context` tokens each, over distinct random blocks of
+    the pool (cycling through the pool if it is too small), one query each.
+    Bytes = the K and V bytes those tokens occupy in the cache (scales
+    included for an int8 cache): what an attention that reads every byte
+    once must read. Returns seconds and GB/s for the compiled in-place
+    attention and for the eager gather + SDPA (batched_paged_attention).
+    """
+    global _compiled_attention
+    if _compiled_attention is None:
+        _compiled_attention = torch.compile(paged_attention_in_place, fullgraph=True)
+    device, bs = cache.k.device, cache.block_size
+    width = -(-context // bs)
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randperm(cache.num_blocks, generator=gen).repeat(-(-batch * width // cache.num_blocks))
+    tables = blocks[:batch * width].view(batch, width).to(device)
+    q = torch.randn(batch, 1, n_heads, cache.k.shape[-1], generator=gen).to(device, cache.dtype)
+    q_pos = torch.full((batch, 1), context - 1, device=device)
+    seq_lens = q_pos[:, 0] + 1
+    dynamic(q, 0), dynamic(tables, 0, 1), dynamic(q_pos, 0)
+    sync, one = device_sync(device), layer_cache(cache, 0)          # as the compiled step reads a layer
+    with torch.inference_mode(), size_oblivious():
+        t_fused = median_seconds(lambda: _compiled_attention(q, one, 0, tables, q_pos), repeats, sync=sync)
+        t_gather = median_seconds(lambda: batched_paged_attention(q, cache, 0, tables, seq_lens), repeats, sync=sync)
+    nbytes = batch * context * cache.bytes_per_token // cache.k.shape[0]     # one layer's share
+    return {"bytes": nbytes, "in_place_s": t_fused, "in_place_GBps": nbytes / t_fused / 1e9,
+            "gather_s": t_gather, "gather_GBps": nbytes / t_gather / 1e9}
 
 
 def exp_compile(b: Bench):
@@ -1022,7 +1070,9 @@ def _tp_decode(b: Bench, group, batch: int, context: int, steps: int) -> dict:
         bm.allocate(i, s)
 
     def step():                                        # every rank runs its slice on the same tokens
-        work = [(i, s[fed[i]:], fed[i], bm.append_slots(i, fed[i], len(s) - fed[i])) for i, s in enumerate(seqs)]
+        for i, s in enumerate(seqs):
+            bm.reserve(i, fed[i], len(s) - fed[i])
+        work = [(i, s[fed[i]:], fed[i]) for i, s in enumerate(seqs)]
         last = [r - 1 for r in itertools.accumulate(len(w[1]) for w in work)]
         x, pos, ctx = AttentionContext.build(group.cache, bm, work, last, group.device)
         for i, token in enumerate(group.forward(x, pos, ctx).argmax(-1).tolist()):

@@ -23,7 +23,8 @@ block id, exactly like an OS page table. That gives:
     only when one of them first writes into a shared one (copy-on-write).
 
 Place in the data flow (one engine step, scheduler.py):
-    BlockManager.append_slots -> slot of every new token, block tables
+    BlockManager.reserve       -> blocks for the new tokens in each block table
+    flatten_step               -> input_ids, positions, the slot of every new token
     AttentionContext(...)      -> handed to Transformer.forward as `ctx`
     model layer l: ctx.attend(l, q, k, v)
         1. KVCache.write: k, v of the N new tokens into their slots
@@ -34,11 +35,16 @@ chunked prefill, decode (1 query token) and draft verification (k+1).
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from support.checks import check_positive_ints
 
 # ----------------------------------------------------------------------------
 # Memory accounting: the lecture's formula, used to size the pool
@@ -54,8 +60,7 @@ def kv_cache_bytes(cfg, dtype, num_tokens: int = 1) -> int:
 
 def num_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: int) -> int:
     """How many blocks of `block_size` tokens fit in `budget_bytes`."""
-    if not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    check_positive_ints(block_size=block_size)
     # assignment: kv-cache-bytes
     return int(budget_bytes // (bytes_per_token * block_size))
     # end assignment
@@ -87,22 +92,27 @@ class KVCache:
 
     A token's slot is block_id * block_size + offset; viewing a layer's
     [num_blocks, block_size, ...] tensor as [num_blocks * block_size, ...]
-    makes the slot a plain row index.
+    makes the slot a plain row index. quantize.make_kv_cache makes one.
     """
+    storage_dtype = None       # K, V stored in the model's dtype (Int8KVCache: int8, blocks() in dtype)
 
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
         if num_blocks < 1:
             raise ValueError("the KV cache budget is too small for a single block")
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype)
+        self.v = torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype)
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.bytes_per_token = kv_cache_bytes(cfg, dtype)
+
+    def pools(self) -> list[torch.Tensor]:
+        """K, V (and an int8 cache's scales): each [layers, num_blocks, block_size, ...]."""
+        return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
 
     @property
     def total_bytes(self) -> int:
         """Bytes actually allocated (tests check it against the formula)."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return sum(t.numel() * t.element_size() for t in self.pools())
 
     def write(self, layer: int, slots, k, v):
         """Store the new tokens' k, v [N, n_kv, d] at their slots [N]."""
@@ -121,8 +131,8 @@ class KVCache:
 
     def copy_block(self, src: int, dst: int):
         """Copy-on-write: duplicate a physical block in every layer."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        for t in self.pools():
+            t[:, dst] = t[:, src]
 
 
 # ----------------------------------------------------------------------------
@@ -191,26 +201,52 @@ class AttentionContext:
 
     @classmethod
     def build(cls, cache: KVCache, block_manager: "BlockManager", work, logits_rows, device):
-        """Flatten one step's work into model inputs and a context.
-
-        work: (seq_id, token_ids fed, first position, slots) per sequence.
-        Returns input_ids[N], positions[N] and the context.
-        """
+        """One step's work as input_ids[N], positions[N] and a context: the simple
+        builder (tests, bench.py); the engine's fast one is kernels.StepInputs.
+        work: (seq_id, token ids fed, first position, ...) per sequence; the slots
+        come from the block tables (flatten_step): later fields are not read."""
         apply_pending_copies(cache, block_manager)
-        input_ids, positions, slots, tables = [], [], [], []
-        for seq_id, tokens, start, seq_slots in work:
-            input_ids += tokens
-            positions += range(start, start + len(tokens))
-            slots += seq_slots
-            tables.append(block_manager.tables[seq_id])
-        width = max(map(len, tables))
-        ctx = cls(cache=cache,
-                  slot_mapping=torch.tensor(slots, device=device),
-                  block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
-                  seq_lens=[start + len(tokens) for _, tokens, start, _ in work],
-                  query_lens=[len(tokens) for _, tokens, _, _ in work],
-                  logits_indices=torch.tensor(logits_rows, device=device, dtype=torch.long))
-        return torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), ctx
+        tables = table_array([block_manager.tables[w[0]] for w in work])
+        ids, positions, slots, query_lens, seq_lens = flatten_step(work, tables, np.arange(len(work)),
+                                                                   block_manager.block_size)
+        on_device = functools.partial(torch.as_tensor, device=device)
+        ctx = cls(cache, on_device(slots), on_device(tables), seq_lens.tolist(), query_lens.tolist(),
+                  torch.tensor(logits_rows, device=device, dtype=torch.long))
+        return on_device(ids), on_device(positions), ctx
+
+
+# ----------------------------------------------------------------------------
+# One step's work as one flat batch (AttentionContext.build, kernels.StepInputs)
+# ----------------------------------------------------------------------------
+
+def table_array(tables: list[list[int]], fill: int = 0) -> np.ndarray:
+    """Block tables as the rows of one int64 array [B, W], padded with `fill`:
+    any valid block id, since attention masks the keys past a sequence's length."""
+    out = np.full((len(tables), max(map(len, tables), default=1)), fill, dtype=np.int64)
+    for row, table in zip(out, tables):
+        row[:len(table)] = table
+    return out
+
+
+def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
+    """The scheduled work as the model's flat batch of N tokens (numpy int64).
+
+    work: (seq_id, token ids fed, first position, ...) per sequence, in batch
+    order; tables[rows[b]] is work[b]'s block table. Returns input_ids[N],
+    positions[N], slot_mapping[N], query_lens[B] (tokens fed) and seq_lens[B]
+    (tokens in cache after the step). No Python loop over tokens: the
+    engine builds every step with it.
+    """
+    query_lens = np.array([len(w[1]) for w in work], dtype=np.int64)
+    starts = np.array([w[2] for w in work], dtype=np.int64)
+    N = int(query_lens.sum())
+    first = np.cumsum(query_lens) - query_lens                        # where each sequence starts in [N]
+    positions = np.repeat(starts - first, query_lens) + np.arange(N)   # start_b, start_b + 1, ...
+    token_rows = np.repeat(rows, query_lens)
+    # slot = block_id * block_size + offset, block_id from the sequence's table
+    slots = tables[token_rows, positions // block_size] * block_size + positions % block_size
+    input_ids = np.fromiter(itertools.chain.from_iterable(w[1] for w in work), dtype=np.int64, count=N)
+    return input_ids, positions, slots, query_lens, starts + query_lens
 
 
 # ----------------------------------------------------------------------------
@@ -232,10 +268,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        if num_blocks < 1:
-            raise ValueError("the KV cache has no blocks")
+        check_positive_ints(block_size=block_size, num_blocks=num_blocks)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks

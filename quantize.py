@@ -32,13 +32,10 @@ the blocks. Bytes per token: 2 * layers * kv_heads * (head_dim * 1 + 4).
 
 Place in the data flow: LLM(quantization="int8") calls quantize_model() right
 after load_model(); LLM(kv_cache_dtype="int8") builds an Int8KVCache instead
-of a KVCache. perplexity() and eval_text() measure what the bytes cost in
-quality (bench.py, tests/test_quantize.py).
+of a KVCache. bench.perplexity() measures what the bytes cost in quality
+(bench.py's quantization experiment, tests/test_quantize.py).
 """
 from __future__ import annotations
-
-import math
-import os
 
 import torch
 import torch.nn as nn
@@ -185,23 +182,16 @@ class Int8KVCache(KVCache):
 
     Only write (quantize) and blocks (dequantize) differ: paged attention in
     cache.py and kernels.py reads through blocks(), so it works unchanged and
-    sees K, V in the model's dtype.
+    sees K, V in the model's dtype. (total_bytes and copy_block cover the
+    scales too: they walk KVCache.pools().)
     """
+    storage_dtype = torch.int8
 
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
-        if num_blocks < 1:
-            raise ValueError("the KV cache budget is too small for a single block")
-        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=torch.int8)
-        self.v = torch.zeros(shape, device=device, dtype=torch.int8)
-        self.k_scale = torch.zeros(shape[:-1], device=device, dtype=torch.float32)
-        self.v_scale = torch.zeros(shape[:-1], device=device, dtype=torch.float32)
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        super().__init__(cfg, num_blocks, block_size, device, dtype)         # int8 K, V
+        self.k_scale = torch.zeros(self.k.shape[:-1], device=device, dtype=torch.float32)   # [L, blocks, bs, n_kv]
+        self.v_scale = torch.zeros_like(self.k_scale)
         self.bytes_per_token = int8_kv_cache_bytes(cfg)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale))
 
     def write(self, layer: int, slots, k, v):
         """Quantize each new token's k, v [N, n_kv, d] per (token, head), then store."""
@@ -215,48 +205,9 @@ class Int8KVCache(KVCache):
         v = dequantize_int8(self.v[layer][block_ids], self.v_scale[layer][block_ids], dtype=self.dtype)
         return k, v                                                  # [*S, bs, n_kv, d]
 
-    def copy_block(self, src: int, dst: int):
-        super().copy_block(src, dst)
-        self.k_scale[:, dst] = self.k_scale[:, src]
-        self.v_scale[:, dst] = self.v_scale[:, src]
-
-
 
 def make_kv_cache(cfg, num_blocks: int, block_size: int, kv_cache_dtype, device, dtype) -> KVCache:
     """The one place a KV pool is made: the model's dtype (None) or int8."""
     if kv_cache_dtype not in (None, "int8"):
         raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
     return (Int8KVCache if kv_cache_dtype == "int8" else KVCache)(cfg, num_blocks, block_size, device, dtype)
-
-# ----------------------------------------------------------------------------
-# Quality: perplexity on a fixed English text
-# ----------------------------------------------------------------------------
-
-EVAL_TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures", "eval_text.txt")
-
-
-def eval_text() -> str:
-    """The evaluation text: English prose written for this project, shipped
-    with it, so the figure is the same on every machine and offline."""
-    with open(EVAL_TEXT_PATH, encoding="utf-8") as f:
-        return f.read()
-
-
-@torch.inference_mode()
-def perplexity(model: nn.Module, token_ids: list[int], window: int = 512) -> float:
-    """exp(mean negative log-likelihood) of each token given the ones before it.
-
-    The text is cut into windows of `window` predicted tokens, each run through
-    the dense path (no cache); every token after the first is predicted once.
-    Lower is better; a uniform guess over V tokens scores V.
-    """
-    if len(token_ids) < 2:
-        raise ValueError("perplexity needs at least two tokens")
-    device = next(model.parameters()).device
-    nll, count = 0.0, 0
-    for start in range(0, len(token_ids) - 1, window):
-        chunk = torch.tensor(token_ids[start:start + window + 1], device=device)   # window + 1 tokens
-        logits = model(chunk[:-1], torch.arange(len(chunk) - 1, device=device))     # [T, V]
-        nll += F.cross_entropy(logits.float(), chunk[1:], reduction="sum").item()
-        count += len(chunk) - 1
-    return math.exp(nll / count)

@@ -16,411 +16,56 @@ Selective batching makes that possible: the MLPs and norms work on a flat
 [N, D] tensor whatever sequence each token belongs to; only attention is
 per sequence, over its own paged KV cache (cache.py, kernels.py).
 
-LLM.step() is four steps, each one section of this file:
+Place in the data flow: text -> Tokenizer.encode -> add_request (a Request
+with its Sequences, queued) -> LLM.step() until done -> RequestOutput.
+LLM.step() has four parts:
     1. schedule   Scheduler.schedule(): which sequences run and how many
                   tokens each: 1 per decoding sequence first (k+1 with
                   drafts), then prefill chunks, within max_num_batched_tokens;
                   preempts the newest sequence if the KV pool is full
-    2. forward    Transformer.forward over all N scheduled tokens at once
-                  (inputs built by kernels.StepInputs)
-    3. sample     sample_tokens(): the next token of every sequence whose
-                  prompt is done, or the verified drafts; ONE wait for the
-                  device per step
-    4. append     stop strings / EOS / max_tokens, text deltas, free the
-                  blocks of finished sequences
+    2. forward    LLM._forward: Transformer.forward over all N scheduled
+                  tokens at once (inputs built by kernels.StepInputs)
+    3. sample     sample_requests() picks each sampling sequence's logits
+                  rows; sampler.py draws the next token of every sequence
+                  whose prompt is done, or verifies its drafts; ONE wait
+                  for the device per step
+    4. append     LLM._append_all / Sequence.append: stop strings, EOS,
+                  max_tokens, text deltas; finished sequences free their blocks
 A request that goes wrong in its own way (its drafts, its text, non-finite
 logits in its rows) finishes alone with finish_reason "error"; an error no
 request explains fails the step's requests, and the engine keeps serving.
 
-The public surface (DESIGN.md): SamplingParams, Sequence, Scheduler, LLM.
+In reading order: the public types (RequestOutput, Request, Sequence), the
+Scheduler (part 1), what surrounds the forward pass (which rows sample; the
+engine's side of speculative decoding), LLM itself, and at the bottom how an
+engine is built (the model, the KV pool sized by the lecture's formula, the
+compiled path, the drafter). SamplingParams is sampler.py's and is imported
+from here too: `from scheduler import LLM, SamplingParams`.
 """
 from __future__ import annotations
 
 import itertools
 import math
-import os
 import random
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from cache import BlockManager, KVCache, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
+from cache import BlockManager, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
 from kernels import CompiledDecoder, StepInputs, choose_weight_layout
 from model import default_model_path, load_model, tokenizer_path
 from parallel import TensorParallelError, TensorParallelGroup
-from quantize import Int8KVCache, int8_kv_cache_bytes, quantize_model
-from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter, rejection_sample_batched
+from quantize import int8_kv_cache_bytes, make_kv_cache, quantize_model
+from sampler import (SampleRequest, SamplingParams, StopStrings, batch_then_each, draft_sampler, sample_isolated,
+                     sample_key)
+from sampler import draw  # noqa: F401  (re-exported: tests/test_speculative.py imports it from here)
+from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter
+from support import checks
+from support.checks import resolve_device_dtype  # bench.py imports it from here
 from tokenizer import IncrementalDecoder, Tokenizer
-
-# ----------------------------------------------------------------------------
-# Sampling parameters
-# ----------------------------------------------------------------------------
-
-
-@dataclass
-class SamplingParams:
-    """How to pick tokens for one request, and when to stop.
-
-    Every field's range is stated once, here (LIMITS); the server validates
-    requests with this same class, so the library and the API agree.
-    """
-    max_tokens: int = 64            # new tokens at most (per sample)
-    temperature: float = 0.0        # 0 = greedy (argmax); otherwise softmax(logits / T)
-    top_k: int = 0                  # keep the k most likely tokens (0 = all; k >= vocab = all)
-    top_p: float = 1.0              # keep the smallest set with probability >= top_p
-    seed: int | None = None         # same tokens whatever the batch (counter-based noise, see sampler)
-    stop: list = field(default_factory=list)            # stop strings (cut from the text)
-    stop_token_ids: list = field(default_factory=list)  # extra token ids that end generation
-    ignore_eos: bool = False        # keep going past EOS (benchmarks)
-    n: int = 1                      # parallel samples sharing the prompt (copy-on-write)
-    logprobs: int | None = None     # None, or the chosen token's logprob + this many alternatives
-
-    # The bounds, in one place. Integers that reach a tensor or a hash must fit
-    # 64 bits; counts that cost memory or time per step are capped.
-    LIMITS = {"max_tokens": 2**31 - 1, "n": 128, "logprobs": 20, "stop": 16, "stop_chars": 1024,
-              "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1)}
-    GREEDY_BELOW = 1e-5             # temperatures this small are greedy (logits / 1e-30 would overflow)
-
-    def __post_init__(self):
-        L = self.LIMITS
-
-        def check(ok, name, what):
-            if not ok:
-                raise ValueError(f"SamplingParams.{name} must be {what}, got {_short(getattr(self, name))}")
-
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_num(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
-        check(is_int(self.max_tokens) and 1 <= self.max_tokens <= L["max_tokens"], "max_tokens",
-              f"an integer in [1, {L['max_tokens']}]")
-        check(is_num(self.temperature) and 0 <= self.temperature < math.inf and _fits_float(self.temperature),
-              "temperature", "a finite number >= 0")
-        check(is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")   # clamped to the vocabulary
-        check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
-        lo, hi = L["seed"]
-        check(self.seed is None or (is_int(self.seed) and lo <= self.seed <= hi), "seed",
-              "None or an integer in [-2**63, 2**64 - 1]")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        check(isinstance(self.stop, (list, tuple)) and len(self.stop) <= L["stop"] and all(
-              isinstance(s, str) and 0 < len(s) <= L["stop_chars"] for s in self.stop), "stop",
-              f"a list of at most {L['stop']} non-empty strings of at most {L['stop_chars']} characters")
-        self.stop = list(self.stop)
-        check(isinstance(self.stop_token_ids, (list, tuple)) and len(self.stop_token_ids) <= L["stop_token_ids"]
-              and all(is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids), "stop_token_ids",
-              f"a list of at most {L['stop_token_ids']} token ids")
-        self.stop_token_ids = list(self.stop_token_ids)
-        check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
-        check(is_int(self.n) and 1 <= self.n <= L["n"], "n", f"an integer in [1, {L['n']}]")
-        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= L["logprobs"]),
-              "logprobs", f"None or an integer in [0, {L['logprobs']}]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < self.GREEDY_BELOW
-
-
-def _fits_float(x) -> bool:
-    """An int such as 10**400 compares fine but overflows once it meets a tensor."""
-    try:
-        return math.isfinite(float(x))
-    except OverflowError:
-        return False
-
-
-def _short(value, limit: int = 80) -> str:
-    """repr of a value for an error message, cut short (a stop list can be megabytes)."""
-    r = repr(value)
-    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
-
-
-
-# ----------------------------------------------------------------------------
-# 3. The sampler: costs what the request asks for
-# ----------------------------------------------------------------------------
-# Greedy rows (the common case) are one argmax: no sort, no softmax, no noise.
-# Only the rows that ask for top-k pay for a topk, only those with top-p < 1
-# for a sort. Every sampled row then draws its token with ONE uniform number,
-# by inverse CDF, in one vectorized operation for the whole batch.
-#
-# Where the uniform numbers come from is the trick. A per-request
-# torch.Generator would need one kernel launch per row (its state is
-# sequential), and a preempted request would replay different noise. Instead
-# the noise is counter-based: u = hash(request key, output position, stream),
-# a pure function, like JAX's or Philox's counters. The key mixes the
-# request's seed with the sample index, so a seeded request gets the same
-# tokens whatever else is in the batch, and after preemption, and no two
-# samples of one request share noise. Streams keep the noise of different
-# uses of one position (the draw, a draft's acceptance test, the draft
-# model's own draw) independent.
-
-MASK64 = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15          # 2^64 / golden ratio: SplitMix64's increment
-DRAW, ACCEPT, DRAFT = 0, 1, 2        # noise streams
-
-
-def _mix64(x: int) -> int:
-    """SplitMix64's finalizer: a bijection of 64-bit integers that scrambles every bit."""
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
-    return x ^ (x >> 31)
-
-
-def sample_key(seed: int, index: int) -> int:
-    """The 64-bit key of one sample stream: a request's seed and its sample index."""
-    return _mix64((_mix64(seed & MASK64) + (index + 1) * GOLDEN) & MASK64)
-
-
-def uniform(key: int, position: int, stream: int = DRAW) -> float:
-    """u in [0, 1): the noise of output position `position` of a sample stream,
-    the (position * 3 + stream)-th output of a SplitMix64 generator started at key."""
-    # assignment: sampler
-    return (_mix64((key + (position * 3 + stream + 1) * GOLDEN) & MASK64) >> 11) * 2.0 ** -53
-    # end assignment
-
-
-def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
-    """Probabilities [R, V] of sampled rows after temperature, top-k, then top-p.
-
-    logits [R, V] float32; temperature [R] tensor; top_k (0 = off) and top_p
-    (1 = off) as host lists, so no host-device round trip decides which rows
-    need filtering. Ties at a threshold are kept (a filter may keep a few
-    more tokens than asked when their logits are exactly equal).
-    """
-    # assignment: sampler
-    R, V = logits.shape
-    logits = logits / temperature[:, None]
-    k_rows = [i for i, k in enumerate(top_k) if 0 < k < V]
-    if k_rows:                                      # top-k: keep logits >= the k-th largest
-        rows = torch.tensor(k_rows, device=logits.device)
-        sub = logits[rows]
-        vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values          # [Rk, kmax], descending
-        kth = vals.gather(1, torch.tensor([[top_k[i] - 1] for i in k_rows], device=logits.device))
-        logits[rows] = sub.masked_fill(sub < kth, float("-inf"))
-    p_rows = [i for i, p in enumerate(top_p) if p < 1]
-    if p_rows:                                      # top-p: the smallest prefix with mass >= p
-        rows = torch.tensor(p_rows, device=logits.device)
-        sub = logits[rows]
-        sorted_logits = sub.sort(dim=-1, descending=True).values
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs                                # mass strictly before each
-        p = torch.tensor([top_p[i] for i in p_rows], device=logits.device, dtype=probs.dtype)
-        n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)  # the top token always stays
-        # (clamp: a top_p below float32's smallest number, e.g. 1e-300, rounds to 0 above)
-        logits[rows] = sub.masked_fill(sub < sorted_logits.gather(1, n_keep - 1), float("-inf"))
-    return logits.softmax(dim=-1)
-    # end assignment
-
-
-def draw(probs, u):
-    """Inverse-CDF sampling, one uniform per row: probs [R, V] (unnormalized is
-    fine), u [R] -> tokens [R]: the first token whose cumulative probability
-    exceeds u * total. A token of probability 0 adds nothing to the cumulative
-    sum, so it can never be chosen. float64: tail tokens of p ~ 1e-9 keep
-    their chance next to a cumulative sum near 1."""
-    # assignment: sampler
-    cdf = probs.double().cumsum(dim=-1)                                      # [R, V]
-    x = (u.double() * cdf[:, -1])[:, None]
-    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp(max=probs.shape[1] - 1)
-    # end assignment
-
-
-@dataclass
-class SampleRequest:
-    """What one sequence asks of this step's sampler (built on the host)."""
-    row: int                       # its first row in the logits
-    drafts: list                   # draft tokens to verify (empty: a plain sample)
-    params: SamplingParams
-    key: int                       # sample_key of the sequence
-    position: int                  # output index of the first token it will get
-    draft_probs: torch.Tensor | None = None   # [len(drafts), V] of a draft model (None: one-hot)
-
-
-def sample_tokens(logits, reqs: list[SampleRequest]):
-    """Every sequence's new tokens: a sample, or the accepted drafts + one.
-
-    Sequence s owns logits rows row_s .. row_s + k_s (k_s drafts). Plain
-    sampling is verification with k = 0, so one code path serves both.
-    Returns, on the host after the step's single wait for the device, per
-    sequence: (tokens, raw-logit logprobs info or None, finite: bool).
-    """
-    S, K = len(reqs), max(len(r.drafts) for r in reqs)
-    dev = logits.device
-    n = np.array([len(r.drafts) for r in reqs])
-    ridx = np.array([r.row for r in reqs])[:, None] + np.minimum(np.arange(K + 1)[None, :], n[:, None])
-    drafts = np.full((S, max(K, 1)), -1)
-    for s, r in enumerate(reqs):
-        drafts[s, :len(r.drafts)] = r.drafts
-    idx, d, n_t = (torch.as_tensor(a, device=dev) for a in (ridx, drafts, n))
-    best, argmax = logits.max(dim=-1)                          # [R]: greedy tokens, and a NaN/inf check
-    tokens = argmax[idx]                                       # [S, K+1]: the target's argmax per position
-    if K:                                                      # greedy rule: accept while draft == argmax
-        agree = (tokens[:, :K] == d[:, :K]) & (torch.arange(K, device=dev)[None] < n_t[:, None])
-        n_acc = agree.long().cumprod(dim=1).sum(dim=1)
-    else:
-        n_acc = torch.zeros(S, dtype=torch.long, device=dev)
-    sampled = [s for s, r in enumerate(reqs) if not r.params.greedy]
-    if sampled:
-        toks, acc = _sample_rows(logits, [reqs[s] for s in sampled], ridx[sampled], d[sampled], n_t[sampled])
-        sel = torch.as_tensor(sampled, device=dev)
-        tokens[sel], n_acc[sel] = toks, acc
-    finite = torch.isfinite(best[idx]).all(dim=1)
-    want_lp = [s for s, r in enumerate(reqs) if r.params.logprobs is not None]
-    lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], max(reqs[s].params.logprobs for s in want_lp)) \
-        if want_lp else []
-    host = fetch(torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1), *lp)
-    out = [(row[:row[K + 1] + 1], None, bool(row[K + 2])) for row in host[0]]
-    for j, s in enumerate(want_lp):                            # (chosen logprob, {alternative: logprob}) per token
-        m, k = out[s][0], reqs[s].params.logprobs
-        info = [(host[1][j][i], dict(zip(host[3][j][i][:k], host[2][j][i][:k]))) for i in range(len(m))]
-        out[s] = (m, info, out[s][2])
-    return out
-
-
-def sample_requests(batch, scheduler, tokenizer):
-    """Which sequences sample this step, from which logits rows: the last
-    position of every sequence whose cache will hold all its known tokens
-    (it samples a next token), or all 1 + k positions of a verification.
-    A prompt of a request with n > 1 forks here (copy-on-write)."""
-    asks, rows, end = [], [], 0
-    for item in batch:
-        seq = item.seq
-        end += item.count                      # this sequence's tokens end here in the flat batch
-        if seq.draft_tokens:
-            asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
-                                            seq.num_output, seq.draft_probs)))
-            rows += range(end - item.count, end)
-        elif item.start + item.count == len(seq.token_ids):
-            for s in [seq] + scheduler.fork(seq, item.start + item.count, tokenizer):   # children share the row
-                asks.append((s, SampleRequest(len(rows), [], s.params, s.key, s.num_output)))
-            rows.append(end - 1)
-    return asks, rows
-
-
-def sample_isolated(logits, asks, fail):
-    """One batched draw for every sequence. If it raises, no single request
-    is known to be the cause: sample each alone (the noise is a function of
-    the request, so the tokens are the same), and fail only those whose
-    own sampling raises."""
-    try:
-        return sample_tokens(logits, [a for _, a in asks]) if asks else []
-    except Exception:
-        new = []
-        for seq, ask in asks:
-            try:
-                new += sample_tokens(logits, [ask])
-            except Exception as e:
-                fail(seq.request, f"sampling failed: {type(e).__name__}: {e}")
-                new.append(([], None, True))      # skipped by _append_all: its request failed
-        return new
-
-
-def _sample_rows(logits, reqs, ridx, d, n):
-    """Sampled (temperature > 0) sequences: filtered target distributions, the
-    rejection rule over the drafts, and one inverse-CDF draw each."""
-    S, K1 = ridx.shape
-    rows = torch.as_tensor(ridx.reshape(-1), device=logits.device)
-    per_row = lambda f: [f(r) for r in reqs for _ in range(K1)]                     # noqa: E731
-    temp = torch.tensor(per_row(lambda r: r.params.temperature), device=logits.device, dtype=logits.dtype)
-    probs = filtered_probs(logits[rows], temp, per_row(lambda r: r.params.top_k),
-                           per_row(lambda r: r.params.top_p)).view(S, K1, -1)           # [S, K+1, V]
-    dp = None
-    if any(r.draft_probs is not None for r in reqs):                                 # a draft model's p
-        dp = torch.zeros(S, K1 - 1, probs.shape[-1], device=logits.device)
-        for s, r in enumerate(reqs):
-            if r.draft_probs is not None:
-                dp[s, :len(r.drafts)] = r.draft_probs
-    accept_u = torch.tensor([[uniform(r.key, r.position + j, ACCEPT) for j in range(K1 - 1)] for r in reqs],
-                            device=logits.device, dtype=torch.float64).view(S, K1 - 1)
-    n_acc, final = rejection_sample_batched(probs, dp, d[:, :K1 - 1], n, accept_u)
-    # the extra token lands at output position + n_acc: that position's DRAW noise
-    draw_u = torch.tensor([[uniform(r.key, r.position + j) for j in range(K1)] for r in reqs],
-                          device=logits.device, dtype=torch.float64)
-    final_tok = draw(final, draw_u.gather(1, n_acc[:, None])[:, 0])
-    j = torch.arange(K1, device=logits.device)[None]
-    drafts = torch.cat([d[:, :K1 - 1], d.new_zeros(S, 1)], dim=1)
-    return torch.where(j < n_acc[:, None], drafts, final_tok[:, None]), n_acc
-
-
-def _logprobs(logits, ridx, tokens, top: int):
-    """log_softmax of the RAW logits (no temperature, no filtering, as OpenAI's
-    API and vLLM report them): the chosen tokens' values and the top alternatives."""
-    logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)   # [S', K+1, V]
-    chosen = logp.gather(-1, tokens[..., None])[..., 0]
-    alt = logp.topk(max(top, 1), dim=-1)
-    return [chosen, alt.values, alt.indices]
-
-
-def fetch(*tensors) -> list:
-    """Device -> host lists with ONE wait: the step's only synchronization."""
-    if not tensors or tensors[0].device.type == "cpu":
-        return [t.tolist() for t in tensors]
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # pragma: no cover (CUDA)
-            for t in tensors]
-    torch.cuda.current_stream(tensors[0].device).synchronize()  # pragma: no cover (CUDA)
-    return [h.tolist() for h in host]  # pragma: no cover (CUDA)
-
-
-# ----------------------------------------------------------------------------
-# Stop strings, matched as the text streams
-# ----------------------------------------------------------------------------
-
-class StopStrings:
-    """Knuth-Morris-Pratt over the text as it streams: O(new characters) per step.
-
-    For each stop string we keep how many of its leading characters the text
-    currently ends with (`state`). A new character either extends that match
-    or falls back along the string's failure table (the longest proper prefix
-    that is also a suffix). The largest state is exactly how much trailing
-    text must be held back from a stream: it may still become a stop string.
-    """
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.state = stops, [0] * len(stops)
-        self.fail = [self._failure(s) for s in stops]
-
-    @staticmethod
-    def _failure(s: str) -> list[int]:
-        f, k = [0] * len(s), 0
-        for i in range(1, len(s)):
-            while k and s[i] != s[k]:
-                k = f[k - 1]
-            k += s[i] == s[k]
-            f[i] = k
-        return f
-
-    def feed(self, text: str):
-        """Advance over text. Returns (end, length) of the first stop string
-        completed in it (end is an index into text, exclusive), or None."""
-        # assignment: stop-strings
-        for i, ch in enumerate(text):
-            hit = 0
-            for j, s in enumerate(self.stops):
-                k = self.state[j]
-                while k and s[k] != ch:
-                    k = self.fail[j][k - 1]
-                k += s[k] == ch
-                if k == len(s):
-                    hit, k = max(hit, k), self.fail[j][k - 1]
-                self.state[j] = k
-            if hit:                   # several end here: the longest started first
-                return i + 1, hit
-        return None
-        # end assignment
-
-    @property
-    def partial(self) -> int:
-        """Trailing characters that may still turn into a stop string."""
-        # assignment: stop-strings
-        return max(self.state)
-        # end assignment
-
 
 # ----------------------------------------------------------------------------
 # Requests, sequences and their outputs
@@ -552,10 +197,6 @@ class Sequence:
         self._reported = (0, 0)                  # (tokens, pieces) already in an output
 
     @property
-    def output_ids(self):
-        return self.token_ids[self.num_prompt:]
-
-    @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.num_prompt
 
@@ -613,7 +254,7 @@ class Sequence:
 
 
 # ----------------------------------------------------------------------------
-# 1. The scheduler
+# Part 1: the scheduler
 # ----------------------------------------------------------------------------
 
 @dataclass
@@ -652,9 +293,6 @@ class Scheduler:
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def _seats(self, seq):
         """Seats a sequence takes: a request with n > 1 forks when its prompt is done."""
@@ -775,17 +413,37 @@ class Scheduler:
 
 
 # ----------------------------------------------------------------------------
-# Speculative decoding: the engine's side (speculative.py has the drafters and the rule)
+# Around the forward pass: who samples (part 3), and speculative decoding's side
 # ----------------------------------------------------------------------------
+
+def sample_requests(batch, scheduler, tokenizer):
+    """Which sequences sample this step, from which logits rows: the last
+    position of every sequence whose cache will hold all its known tokens
+    (it samples a next token), or all 1 + k positions of a verification.
+    A prompt of a request with n > 1 forks here (copy-on-write)."""
+    asks, rows, end = [], [], 0
+    for item in batch:
+        seq = item.seq
+        end += item.count                      # this sequence's tokens end here in the flat batch
+        if seq.draft_tokens:
+            asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
+                                            seq.num_output, seq.draft_probs)))
+            rows += range(end - item.count, end)
+        elif item.start + item.count == len(seq.token_ids):
+            for s in [seq] + scheduler.fork(seq, item.start + item.count, tokenizer):   # children share the row
+                asks.append((s, SampleRequest(len(rows), [], s.params, s.key, s.num_output)))
+            rows.append(end - 1)
+    return asks, rows
+
 
 class Speculation:
     """Drafts before a step, bookkeeping after it. The target verifies the
-    drafts in the step's one forward pass; sample_tokens applies the rule."""
+    drafts in the step's one forward pass; sampler.sample_tokens applies the rule."""
 
     def __init__(self, drafter, k: int, stats: dict):
         self.drafter, self.k, self.stats = drafter, k, stats
 
-    def propose(self, running, max_len: int, draft_sample, fail):
+    def propose(self, running, max_len: int, fail):
         """Up to k drafts for every decoding sequence (never past max_tokens or
         the context: the last token is the target's). A drafter error fails
         only the requests whose own drafts raise (retried one by one)."""
@@ -795,16 +453,9 @@ class Speculation:
             k = min(self.k, seq.params.max_tokens - seq.num_output - 1, max_len - len(seq.token_ids) - 1)
             if seq.remaining == 1 and k > 0:
                 asks.append((seq, (seq.seq_id, seq.token_ids, k)))
-        try:
-            drafts = self.drafter.propose([a for _, a in asks], draft_sample(asks))
-        except Exception:
-            drafts = []
-            for seq, ask in asks:
-                try:
-                    drafts += self.drafter.propose([ask], draft_sample([(seq, ask)]))
-                except Exception as e:
-                    drafts.append(([], None))
-                    fail(seq.request, f"drafting failed: {e!r}")
+        # a draft model samples with each request's own params and noise (sampler.draft_sampler)
+        drafts = batch_then_each(lambda part: self.drafter.propose([a for _, a in part], draft_sampler(part)),
+                                 asks, fail, "drafting", ([], None))
         for (seq, _), (tokens, probs) in zip(asks, drafts):
             if seq.status == RUNNING:
                 seq.draft_tokens, seq.draft_probs = list(tokens), probs
@@ -824,148 +475,6 @@ class Speculation:
         self.stats["accepted_tokens"] += n_accepted
         self.stats["verify_steps"] += 1
         seq.draft_tokens, seq.draft_probs = [], None
-
-
-def draft_sampler(asks):
-    """The draft model samples with each request's own params and noise
-    (stream DRAFT); greedy requests take its argmax."""
-    seqs = [seq for seq, _ in asks]
-
-    def draft_sample(logits, idx, step):
-        rs = [SampleRequest(j, [], seqs[i].params, seqs[i].key, seqs[i].num_output + step)
-              for j, i in enumerate(idx)]
-        greedy = torch.tensor([r.params.greedy for r in rs], device=logits.device)
-        probs = filtered_probs(logits.float(), torch.tensor([max(r.params.temperature, 1e-5) for r in rs],
-                               device=logits.device), [r.params.top_k for r in rs], [r.params.top_p for r in rs])
-        probs = torch.where(greedy[:, None], torch.zeros_like(probs).scatter_(
-            1, logits.argmax(-1, keepdim=True), 1.0), probs)
-        u = torch.tensor([uniform(r.key, r.position, DRAFT) for r in rs], device=logits.device)
-        return draw(probs, u).tolist(), probs
-    return draft_sample
-
-
-def make_drafter(speculative, k, max_num_batched_tokens, target, tokenizer, pool_blocks, block_size,
-                 device, dtype, make_inputs):
-    """None | "ngram" | a draft model directory -> a drafter (speculative.py)."""
-    if speculative is None:
-        return None
-    if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-    if max_num_batched_tokens < k + 1:
-        raise ValueError(f"speculation needs max_num_batched_tokens >= num_speculative_tokens + 1 = {k + 1}")
-    if speculative == "ngram":
-        return NgramDrafter()
-    if not isinstance(speculative, str) or not os.path.isdir(speculative):
-        raise ValueError(f"speculative must be None, 'ngram' or a draft model directory, got {speculative!r}")
-    draft, cfg = load_model(speculative, device=device, dtype=dtype)
-    vocab = Tokenizer.from_pretrained(speculative).ranks
-    if cfg.vocab_size != target.vocab_size or vocab != tokenizer.ranks:
-        raise ValueError(f"the draft model at {speculative} has a different vocabulary "
-                         f"({cfg.vocab_size} tokens) than the target ({target.vocab_size})")
-    return ModelDrafter(draft, pool_blocks, block_size, device, dtype, make_inputs)
-
-
-# ----------------------------------------------------------------------------
-# Setting up an engine: the KV pool and the compiled path
-# ----------------------------------------------------------------------------
-
-def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cache_dtype, scratch: int,
-                 allocate=None):
-    """The KV pool: as many blocks as the byte budget allows (the lecture's formula).
-
-    Sizing the pool is the central memory trade-off of serving: every byte
-    given to the KV cache is a byte more of concurrent context. `scratch`
-    extra blocks are kept out of the block manager's hands (kernels.py:
-    padded rows of a compiled step write there). Returns (cache, usable blocks).
-    With tensor parallelism cfg is one rank's shard (its KV heads) and
-    allocate(num_blocks) makes every rank's pool: the same budget per device
-    holds N times the tokens.
-    """
-    if kv_cache_dtype not in (None, "int8"):
-        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
-    int8_kv = kv_cache_dtype == "int8"
-    per_token = int8_kv_cache_bytes(cfg) if int8_kv else kv_cache_bytes(cfg, dtype)
-    if budget is None:
-        if device.type == "cuda":  # pragma: no cover (CUDA: most of what the weights left free)
-            budget = int(0.8 * torch.cuda.mem_get_info(device)[0])
-        else:
-            budget = 1 << 30            # 1 GiB on CPU; set kv_cache_bytes to change it
-    num_blocks = num_blocks_for_budget(per_token, block_size, budget)
-    if num_blocks < 1 + scratch:
-        raise ValueError(f"kv_cache_bytes={budget} is too small for {1 + scratch} block(s) of "
-                         f"{block_size} tokens ({per_token * block_size} bytes each)")
-    cache = allocate(num_blocks) if allocate else \
-        (Int8KVCache if int8_kv else KVCache)(cfg, num_blocks, block_size, device, dtype)
-    value = f"(1 B + 4/{cfg.head_dim} B of scale)" if int8_kv else f"{torch.finfo(dtype).bits // 8} B"
-    print(f"nanoinfer: KV cache {num_blocks - scratch} blocks x {block_size} tokens = "
-          f"{(num_blocks - scratch) * block_size} tokens; {per_token} B/token = 2*{cfg.n_layers} layers*"
-          f"{cfg.n_kv_heads} kv heads*{cfg.head_dim} dims*{value}; {cache.total_bytes / 2**20:.1f} MiB allocated")
-    return cache, num_blocks - scratch
-
-
-def make_compiled_decoder(model, cache, max_num_seqs: int, max_len: int, block_size: int, scratch_block: int,
-                          max_query_len: int = 1):
-    """compile=True: decode steps (and, with speculation, verification steps of
-    up to max_query_len tokens per sequence) through torch.compile
-    (kernels.py), every bucket compiled now rather than in the middle of serving."""
-    layout = choose_weight_layout(model)
-    decoder = CompiledDecoder(model, cache, max_num_seqs, math.ceil(max_len / block_size), scratch_block,
-                              query_sizes=(1, max_query_len))
-    seconds = decoder.warmup()
-    print(f"nanoinfer: compiled steps of {decoder.query_sizes} tokens per sequence for batch buckets "
-          f"{decoder.batch_sizes} and table widths {decoder.widths} in {seconds:.1f} s (weight layout: {layout})")
-    return decoder, seconds, layout
-
-
-def encode_prompt(prompt, tokenizer, vocab_size: int) -> list[int]:
-    """A prompt (a string, or token ids) as token ids, or a clear error."""
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, allow_special=True)   # the caller owns the whole prompt
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = list(prompt)
-        if any(not 0 <= t < vocab_size for t in ids):
-            raise ValueError(f"token ids must be in [0, {vocab_size})")
-    else:
-        raise TypeError("a prompt is a string or a list of token ids")
-    if not ids:
-        raise ValueError("the prompt is empty")
-    return ids
-
-
-def load_engine_model(path, device, dtype, quantization, tensor_parallel_size: int, compile: bool):
-    """The model the engine runs: (model, config, tp). tp is None for one
-    device; with N > 1 this process is rank 0 of a parallel.py group whose
-    workers hold the other slices, and model is rank 0's slice."""
-    tp = None
-    if tensor_parallel_size != 1:
-        if compile:
-            raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
-        tp = TensorParallelGroup(path, tensor_parallel_size, device, dtype, quantization)
-        model, config = tp.model, tp.full_config       # the group shards (and quantizes) on every rank
-    else:
-        model, config = load_model(path, device=device, dtype=dtype)
-        if quantization is not None:                   # int8 weights: a quarter of fp32's bytes per step
-            quantize_model(model, quantization)
-    if config.random_seed is not None:
-        print(f"nanoinfer: {path}: RANDOM weights (published shapes, seed {config.random_seed}): "
-              "timings are real, the text is noise")
-    return model, config, tp
-
-
-def resolve_device_dtype(device, dtype, quantization):
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if dtype == "auto":      # bf16 halves the bytes per step on GPU. On CPU float32, where
-        # every path is bit-exact against the dense reference (bench.py measures bf16 too:
-        # faster on the machine in the README); int8 takes bf16 activations (quantize.py)
-        dtype = torch.float32 if device.type == "cpu" and quantization is None else torch.bfloat16
-    elif isinstance(dtype, str):
-        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if dtype not in names:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
-        dtype = names[dtype]
-    return device, dtype
 
 
 # ----------------------------------------------------------------------------
@@ -995,9 +504,7 @@ class LLM:
                  quantization=None, kv_cache_dtype=None, compile=False, speculative=None,
                  num_speculative_tokens=4, tensor_parallel_size=1):
         self.device, self.dtype = resolve_device_dtype(device, dtype, quantization)
-        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        checks.check_positive_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         self.path = path or default_model_path()
         self.model, self.config, self.tp = load_engine_model(self.path, self.device, self.dtype, quantization,
                                                              tensor_parallel_size, compile)
@@ -1037,14 +544,12 @@ class LLM:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
-        ids = encode_prompt(prompt, self.tokenizer, self.config.vocab_size)
-        if len(ids) >= self.max_len:
-            where = "context" if self.max_len == self.config.max_seq_len else "KV cache pool"
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's {where} holds "
-                             f"{self.max_len}, which leaves no room to generate")
-        if params.n > self.scheduler.max_num_seqs:   # its n samples could never run side by side
-            raise ValueError(f"n={params.n} samples need {params.n} batch seats; this engine runs at most "
-                             f"max_num_seqs={self.scheduler.max_num_seqs} sequences")
+        # a string is encoded with special tokens allowed: the caller owns the whole prompt
+        ids = checks.prompt_token_ids(prompt, lambda text: self.tokenizer.encode(text, allow_special=True),
+                                      self.config.vocab_size)
+        checks.check_prompt_length(len(ids), self.max_len,
+                                   "context" if self.max_len == self.config.max_seq_len else "KV cache pool")
+        checks.check_seats(params.n, self.scheduler.max_num_seqs)   # its n samples run side by side
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -1086,7 +591,7 @@ class LLM:
         failed: dict[str, Request] = {}
         fail = lambda req, msg: failed.setdefault(req.request_id, self._fail(req, msg))   # noqa: E731
         if self.speculation is not None:
-            self.speculation.propose(self.scheduler.running, self.max_len, draft_sampler, fail)
+            self.speculation.propose(self.scheduler.running, self.max_len, fail)
         batch = []
         try:
             batch = self.scheduler.schedule()                     # 1. who runs, how many tokens each
@@ -1220,3 +725,87 @@ class LLM:
                 self.abort(rid)
             raise
         return [final[rid] for rid in ids]
+
+
+# ----------------------------------------------------------------------------
+# Building an engine: the model, the KV pool, the compiled path, the drafter
+# ----------------------------------------------------------------------------
+
+def load_engine_model(path, device, dtype, quantization, tensor_parallel_size: int, compile: bool):
+    """The model the engine runs: (model, config, tp). tp is None for one
+    device; with N > 1 this process is rank 0 of a parallel.py group whose
+    workers hold the other slices, and model is rank 0's slice."""
+    tp = None
+    if tensor_parallel_size != 1:
+        if compile:
+            raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
+        tp = TensorParallelGroup(path, tensor_parallel_size, device, dtype, quantization)
+        model, config = tp.model, tp.full_config       # the group shards (and quantizes) on every rank
+    else:
+        model, config = load_model(path, device=device, dtype=dtype)
+        if quantization is not None:                   # int8 weights: a quarter of fp32's bytes per step
+            quantize_model(model, quantization)
+    if config.random_seed is not None:
+        print(f"nanoinfer: {path}: RANDOM weights (published shapes, seed {config.random_seed}): "
+              "timings are real, the text is noise")
+    return model, config, tp
+
+
+def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cache_dtype, scratch: int,
+                 allocate=None):
+    """The KV pool: as many blocks as the byte budget allows (the lecture's formula).
+
+    Sizing the pool is the central memory trade-off of serving: every byte
+    given to the KV cache is a byte more of concurrent context. `scratch`
+    extra blocks are kept out of the block manager's hands (kernels.py:
+    padded rows of a compiled step write there). Returns (cache, usable blocks).
+    With tensor parallelism cfg is one rank's shard (its KV heads) and
+    allocate(num_blocks) makes every rank's pool: the same budget per device
+    holds N times the tokens.
+    """
+    # bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value (+ int8's scales)
+    per_token = int8_kv_cache_bytes(cfg) if kv_cache_dtype == "int8" else kv_cache_bytes(cfg, dtype)
+    if budget is None:
+        if device.type == "cuda":  # pragma: no cover (CUDA: most of what the weights left free)
+            budget = int(0.8 * torch.cuda.mem_get_info(device)[0])
+        else:
+            budget = 1 << 30            # 1 GiB on CPU; set kv_cache_bytes to change it
+    num_blocks = num_blocks_for_budget(per_token, block_size, budget)
+    if num_blocks < 1 + scratch:
+        raise ValueError(f"kv_cache_bytes={budget} is too small for {1 + scratch} block(s) of "
+                         f"{block_size} tokens ({per_token * block_size} bytes each)")
+    cache = allocate(num_blocks) if allocate else \
+        make_kv_cache(cfg, num_blocks, block_size, kv_cache_dtype, device, dtype)   # model dtype or int8
+    value = f"(1 B + 4/{cfg.head_dim} B of scale)" if kv_cache_dtype == "int8" else f"{torch.finfo(dtype).bits // 8} B"
+    print(f"nanoinfer: KV cache {num_blocks - scratch} blocks x {block_size} tokens = "
+          f"{(num_blocks - scratch) * block_size} tokens; {per_token} B/token = 2*{cfg.n_layers} layers*"
+          f"{cfg.n_kv_heads} kv heads*{cfg.head_dim} dims*{value}; {cache.total_bytes / 2**20:.1f} MiB allocated")
+    return cache, num_blocks - scratch
+
+
+def make_compiled_decoder(model, cache, max_num_seqs: int, max_len: int, block_size: int, scratch_block: int,
+                          max_query_len: int = 1):
+    """compile=True: decode steps (and, with speculation, verification steps of
+    up to max_query_len tokens per sequence) through torch.compile
+    (kernels.py), every bucket compiled now rather than in the middle of serving."""
+    layout = choose_weight_layout(model)
+    decoder = CompiledDecoder(model, cache, max_num_seqs, math.ceil(max_len / block_size), scratch_block,
+                              query_sizes=(1, max_query_len))
+    seconds = decoder.warmup()
+    print(f"nanoinfer: compiled steps of {decoder.query_sizes} tokens per sequence for batch buckets "
+          f"{decoder.batch_sizes} and table widths {decoder.widths} in {seconds:.1f} s (weight layout: {layout})")
+    return decoder, seconds, layout
+
+
+def make_drafter(speculative, k, max_num_batched_tokens, target, tokenizer, pool_blocks, block_size,
+                 device, dtype, make_inputs):
+    """None | "ngram" | a draft model directory -> a drafter (speculative.py)."""
+    checks.check_speculative(speculative, k, MAX_SPECULATIVE_TOKENS, max_num_batched_tokens)
+    if speculative is None:
+        return None
+    if speculative == "ngram":                  # prompt lookup: no model, drafts from the text itself
+        return NgramDrafter()
+    draft, cfg = load_model(speculative, device=device, dtype=dtype)   # a smaller model, same tokenizer
+    checks.check_same_vocabulary(speculative, cfg.vocab_size, Tokenizer.from_pretrained(speculative).ranks,
+                                 target.vocab_size, tokenizer.ranks)
+    return ModelDrafter(draft, pool_blocks, block_size, device, dtype, make_inputs)

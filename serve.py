@@ -82,6 +82,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from scheduler import LLM, SamplingParams
+from support.checks import check_seats, check_token_ids, is_int, is_num, short
 
 # ----------------------------------------------------------------------------
 # Metrics: Prometheus counters, gauges and histograms
@@ -347,22 +348,6 @@ class Engine:
 # ----------------------------------------------------------------------------
 
 
-def _is_int(x):
-    # JSON true is a Python bool, and bool is a subclass of int: "max_tokens": true
-    # must be a type error, not 1 token.
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _short(value, limit: int = 60) -> str:
-    """repr of a client's value for an error message, cut short (it can be megabytes)."""
-    r = repr(value)
-    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
-
-
 def _opt(check):
     return lambda v: v is None or check(v)      # null means "the default", as in OpenAI's API
 
@@ -377,12 +362,12 @@ def _opt(check):
 # the server and the library can never disagree about what is allowed.
 COMMON_FIELDS = {
     "model": (lambda v: isinstance(v, str), "a string"),
-    "max_tokens": (_opt(_is_int), "an integer"),
-    "temperature": (_opt(_is_num), "a number"),
-    "top_p": (_opt(_is_num), "a number"),
-    "top_k": (_opt(_is_int), "an integer (0 or -1: off)"),
-    "seed": (_opt(_is_int), "an integer"),
-    "n": (_opt(_is_int), "an integer"),
+    "max_tokens": (_opt(is_int), "an integer"),
+    "temperature": (_opt(is_num), "a number"),
+    "top_p": (_opt(is_num), "a number"),
+    "top_k": (_opt(is_int), "an integer (0 or -1: off)"),
+    "seed": (_opt(is_int), "an integer"),
+    "n": (_opt(is_int), "an integer"),
     "stream": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
     "stream_options": (_opt(lambda v: isinstance(v, dict)), "an object"),
     "stop": (_opt(lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))),
@@ -393,15 +378,15 @@ COMMON_FIELDS = {
     "frequency_penalty": (lambda v: v is None or v == 0, "0 (penalties are not supported)"),
 }
 COMPLETION_FIELDS = {**COMMON_FIELDS,
-                     "prompt": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(map(_is_int, v))),
+                     "prompt": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(map(is_int, v))),
                                 "a string or a list of token ids"),
-                     "logprobs": (_opt(_is_int), "an integer"),
+                     "logprobs": (_opt(is_int), "an integer"),
                      "echo": (lambda v: v is None or v is False, "false (echo is not supported)")}
 CHAT_FIELDS = {**COMMON_FIELDS,
                "messages": (lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list of messages"),
                "logprobs": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
-               "top_logprobs": (_opt(_is_int), "an integer"),
-               "max_completion_tokens": (_opt(_is_int), "an integer")}
+               "top_logprobs": (_opt(is_int), "an integer"),
+               "max_completion_tokens": (_opt(is_int), "an integer")}
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -410,10 +395,10 @@ def _check_fields(body, fields):
         raise APIError(400, "the request body must be a JSON object")
     for key, value in body.items():
         if key not in fields:       # as OpenAI does: a typo'd option must not be silently ignored
-            raise APIError(400, f"unrecognized request argument: {_short(key)}", key[:100])
+            raise APIError(400, f"unrecognized request argument: {short(key)}", key[:100])
         ok, what = fields[key]
         if not ok(value):
-            raise APIError(400, f"{key!r} must be {what}, got {_short(value)}", key)
+            raise APIError(400, f"{key!r} must be {what}, got {short(value)}", key)
 
 
 def _unicode(text: str, param: str) -> str:
@@ -458,10 +443,10 @@ def parse_request(llm: LLM, body, chat: bool, max_request_tokens: int | None = N
         # A raw completion prompt belongs to the caller, special tokens included
         # (as in LLM.generate); only chat messages are protected from forging them.
         ids = tok.encode(_unicode(prompt, "prompt"), allow_special=True) if isinstance(prompt, str) else list(prompt)
-        if any(not 0 <= t < llm.config.vocab_size for t in ids):
-            raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", "prompt")
-    if not ids:
-        raise APIError(400, "the prompt is empty", "messages" if chat else "prompt")
+    try:                                # the library's checks: ids in the vocabulary, and at least one
+        check_token_ids(ids, llm.config.vocab_size)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages" if chat else "prompt") from None
     # 413 (too large) rather than 400: the request is well formed, just bigger
     # than the context (or KV pool) can ever hold, so retrying cannot help.
     if len(ids) >= llm.max_len:
@@ -469,7 +454,7 @@ def parse_request(llm: LLM, body, chat: bool, max_request_tokens: int | None = N
                        "messages" if chat else "prompt", "context_length_exceeded")
     served = os.path.basename(os.path.normpath(llm.path))
     if body.get("model") not in (None, served):
-        raise APIError(404, f"the model {_short(body['model'])} does not exist; this server serves {served!r}",
+        raise APIError(404, f"the model {short(body['model'])} does not exist; this server serves {served!r}",
                        "model", "model_not_found")
     params = _sampling_params(llm, body, chat, len(ids), max_request_tokens)
     return ids, params, {"stream": bool(body.get("stream")), "model": served}
@@ -486,7 +471,7 @@ def _sampling_params(llm: LLM, body: dict, chat: bool, prompt_len: int, max_requ
     mt_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     cap, n = max_request_tokens or DEFAULT_REQUEST_CONTEXTS * llm.max_len, get("n", 1)
     default = room if chat else min(16, room)
-    if _is_int(n) and n >= 1:           # a default the client did not choose must not break the cap
+    if is_int(n) and n >= 1:            # a default the client did not choose must not break the cap
         default = max(1, min(default, cap // n))
     max_tokens = get(mt_name, default)
     # vLLM's rule: an explicit max_tokens the context cannot hold is refused, not
@@ -511,10 +496,10 @@ def _sampling_params(llm: LLM, body: dict, chat: bool, prompt_len: int, max_requ
     params = _checked_params(fields, {"max_tokens": mt_name, "logprobs": "top_logprobs" if chat else "logprobs"})
     # Limits of this server rather than of sampling: seats in the batch, and the
     # work one request may ask for (n samples x max_tokens each, all in the batch).
-    seats = llm.scheduler.max_num_seqs
-    if params.n > seats:
-        raise APIError(400, f"n = {params.n} samples need {params.n} seats in the batch, but this server runs "
-                       f"at most {seats} sequences at once (max_num_seqs)", "n")
+    try:
+        check_seats(params.n, llm.scheduler.max_num_seqs)
+    except ValueError as e:
+        raise APIError(400, str(e), "n") from None
     if params.n * params.max_tokens > cap:
         raise APIError(400, f"n x {mt_name} = {params.n} x {params.max_tokens} = {params.n * params.max_tokens} "
                        f"tokens; this server generates at most {cap} per request", "n" if params.n > 1 else mt_name,
@@ -537,7 +522,7 @@ def _float(value, param: str) -> float:
     try:
         return float(value)
     except OverflowError:
-        raise APIError(400, f"{param!r} is too large: {_short(value)}", param) from None
+        raise APIError(400, f"{param!r} is too large: {short(value)}", param) from None
 
 
 def _checked_params(fields: dict, api_names: dict) -> SamplingParams:
@@ -747,7 +732,7 @@ class JSONRequestHandler(BaseHTTPRequestHandler):
             raise APIError(400, "a POST needs a Content-Length header", code="invalid_content_length")
         value = values[0].strip()
         if len(set(values)) > 1 or not re.fullmatch(r"[0-9]+", value):
-            raise APIError(400, f"Content-Length must be a number of bytes, got {_short(', '.join(values))}",
+            raise APIError(400, f"Content-Length must be a number of bytes, got {short(', '.join(values))}",
                            code="invalid_content_length")
         limit = self.server.max_body_bytes
         if len(value) > 18 or int(value) > limit:
@@ -806,7 +791,7 @@ def _parse_json(data: bytes):
     except RecursionError:
         raise APIError(400, "the body is nested too deeply") from None
     except ValueError as e:             # JSONDecodeError, bad UTF-8, an integer over 4300 digits
-        raise APIError(400, f"the body is not valid JSON: {_short(str(e), 200)}") from None
+        raise APIError(400, f"the body is not valid JSON: {short(str(e), 200)}") from None
 
 
 # ----------------------------------------------------------------------------

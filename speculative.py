@@ -2,15 +2,13 @@
 speculative.py -- draft, verify, and exact rejection sampling.
 
 The lesson: a decode step is memory-bound, so feeding the target model k+1
-tokens costs about as much as feeding it 1 (the weights are read once
-either way). If a cheap drafter guesses the next k tokens, the target can
-check all of them in ONE pass, like a short prefill, and keep the longest
-prefix it agrees with. Every pass yields at least one token (the target's
-own next token), and up to k+1.
+tokens costs about as much as feeding it 1 (the weights are read once either
+way). If a cheap drafter guesses the next k tokens, the target checks them
+all in ONE pass, like a short prefill, and keeps the longest prefix it agrees
+with: every pass yields 1 (the target's own next token) to k+1 tokens.
 
-The rule that keeps the target's distribution EXACTLY (Leviathan et al.
-2023, Chen et al. 2023): with target probabilities q and draft
-probabilities p at each drafted position,
+The rule that keeps the target's distribution EXACTLY (Leviathan et al. 2023,
+Chen et al. 2023), with target probabilities q and draft probabilities p:
     accept draft token x with probability min(1, q(x) / p(x));
     at the first rejection, sample a replacement from normalize(max(q - p, 0))
     and stop; if all k are accepted, sample a bonus token from q at k+1.
@@ -22,14 +20,15 @@ tokens on average; if a draft token costs r target passes, the expected
 speedup is (k*a + 1) / (1 + k*r) in the lecture's simplified form.
 
 Place in the data flow: LLM.step() (scheduler.py) asks a drafter for up to k
-tokens per decoding sequence, schedules 1 + k query tokens for each, runs
-the target once over the whole flat batch, calls rejection_sample on each
-sequence's k+1 rows of target probabilities, appends the accepted tokens
-and truncates the KV cache past them. This file knows nothing of the
-scheduler: only token lists, tensors, and the paged cache of a draft model.
+tokens per decoding sequence, runs the target once over 1 + k query tokens
+each, verifies all sequences' k+1 rows at once (rejection_sample_batched, via
+sampler.py), appends the accepted tokens and truncates the KV cache past
+them. This file knows nothing of the scheduler: only token lists, tensors,
+and the paged cache of a draft model.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from cache import BlockManager, KVCache
@@ -44,11 +43,10 @@ MAX_SPECULATIVE_TOKENS = 16
 def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) -> list[int]:
     """Accept a prefix of the draft and add one token of the target's own.
 
-    target_probs [k+1, V], draft_probs [k, V], draft_tokens [k] -> 1..k+1 tokens.
-    The readable one-sequence version of the rule; the engine runs
-    rejection_sample_batched below, which the tests hold to this one.
-    Randomness: k uniforms for the acceptance tests, then one draw from the
-    final distribution (torch.multinomial), all from `generator`.
+    target_probs [k+1, V], draft_probs [k, V], draft_tokens [k] -> 1..k+1 tokens:
+    the readable one-sequence rule (the engine runs rejection_sample_batched,
+    which the tests hold to it). Randomness: k uniforms for the acceptance
+    tests, then one torch.multinomial draw, all from `generator`.
     """
     # assignment: rejection-sampling
     k = len(draft_tokens)
@@ -76,10 +74,9 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
     drafter (n-gram: each draft has probability 1, so p = one-hot); draft_tokens
     [B, K] and accept_u [B, K] uniforms (padded); num_drafts [B] tensor.
     Returns (num_accepted [B], final [B, V]): the accepted prefix length and
-    the (unnormalized) distribution the one extra token must be drawn from --
-    the residual max(q - p, 0) at the first rejection, or the target's next
-    row (the bonus token) when every draft was accepted. The caller draws it
-    with the engine's sampler, so the same counter-based noise serves both.
+    the (unnormalized) distribution of the one extra token: the residual
+    max(q - p, 0) at the first rejection, or the target's next row (the bonus
+    token). The caller draws it with the engine's counter-based noise.
     K = 0 is plain sampling: nothing to accept, final = target_probs[:, 0].
     """
     B, K1, V = target_probs.shape
@@ -141,25 +138,23 @@ class NgramDrafter:
         """requests: (seq_id, token_ids, k) -> [(tokens, None)]."""
         return [(self.propose_one(tokens, k), None) for _, tokens, k in requests]
 
-    def rollback(self, seq_id, num_tokens):
-        pass                                                  # stateless
+    def rollback(self, seq_id, num_tokens=None):
+        pass                                                  # stateless: nothing to roll back
 
-    def release(self, seq_id):
-        pass
+    release = rollback                                        # ... nor to release
 
 
 class ModelDrafter:
     """A smaller model with the same tokenizer drafts k tokens autoregressively.
 
     It keeps its own paged KV cache (its own BlockManager over the same
-    sequence ids), so each draft step feeds only new tokens. After the
-    target verifies, rollback() truncates the draft cache to the tokens
-    that survived, exactly as the engine truncates the target's.
+    sequence ids), so each draft step feeds only new tokens, built by
+    make_inputs(block_manager): the engine's kernels.StepInputs, the same
+    vectorized path. After the target verifies, rollback() truncates the
+    draft cache to the tokens that survived, as the engine truncates the target's.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, device, dtype, make_inputs):
-        """make_inputs(block_manager) -> the engine's step-input builder
-        (kernels.StepInputs), so draft steps take the same vectorized path."""
         self.model, self.device = model, device
         self.cache = KVCache(model.config, num_blocks, block_size, device, dtype)
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -168,19 +163,16 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(self, requests, sample_fn):
-        """requests: (seq_id, token_ids, k); sample_fn(logits [R, V], request indices)
-        -> (tokens [R], probs [R, V]) applies each request's own sampling params.
-        Returns [(tokens, probs [len(tokens), V])] per request."""
+        """requests: (seq_id, token_ids, k); sample_fn(logits [R, V], request indices,
+        step) -> (tokens [R], probs [R, V]) applies each request's own sampling
+        params. Returns [(tokens, probs [len(tokens), V])] per request."""
         out = [([], []) for _ in requests]
-        # Step 0 feeds everything the draft cache lacks (usually 1-2 tokens);
-        # steps 1..k-1 feed the previous draft token.
+        # Step 0 feeds what the draft cache lacks (usually 1-2 tokens); then the last draft.
         feed = {i: tokens[self.computed.get(sid, 0):] for i, (sid, tokens, k) in enumerate(requests) if k > 0}
         for step in range(max((k for _, _, k in requests), default=0)):
-            work, rows, active = [], [], []
+            work, active = [], []
             for i, new in feed.items():
-                sid, tokens, k = requests[i]
-                if step >= k:
-                    continue
+                sid, tokens, _ = requests[i]
                 if sid not in self.bm.tables:
                     self.bm.allocate(sid, tokens)
                 start = self.computed.get(sid, 0)
@@ -189,17 +181,16 @@ class ModelDrafter:
                 self.bm.reserve(sid, start, len(new))
                 work.append((sid, new, start))
                 self.computed[sid] = start + len(new)
-                rows.append(sum(len(w[1]) for w in work) - 1)
                 active.append(i)
             if not work:
                 break
-            input_ids, positions, ctx = self.inputs.device(self.inputs.host(work, rows), self.cache)
+            last_rows = np.cumsum([len(w[1]) for w in work]) - 1          # each sequence's last token
+            input_ids, positions, ctx = self.inputs.device(self.inputs.host(work, last_rows), self.cache)
             tokens, probs = sample_fn(self.model(input_ids, positions, ctx), active, step)
-            feed = {}
             for j, i in enumerate(active):
                 out[i][0].append(int(tokens[j]))
                 out[i][1].append(probs[j])
-                feed[i] = [int(tokens[j])]
+            feed = {i: [out[i][0][-1]] for i in active if step + 1 < requests[i][2]}   # next: the new draft
         return [(t, torch.stack(p) if p else None) for t, p in out]
 
     def rollback(self, seq_id, num_tokens):

@@ -18,18 +18,18 @@ half a UTF-8 character; `apply_chat_template` wraps chat messages into the
 prompt format the instruct model was trained on.
 
 tiktoken does steps 1-3 in Rust; we only hand it the vocabulary (bytes ->
-rank) and the regex, both read from a Hugging Face `tokenizer.json`. This
-file imports nothing else of nanoinfer.
+rank) and the regex, both read from a Hugging Face `tokenizer.json` by
+support/checkpoint.py. This file imports no other file of the tour.
 """
 from __future__ import annotations
 
 import codecs
-import json
-import os
 import re
 
 import regex  # tiktoken's own dependency: \p{L} classes for the slow path
 import tiktoken
+
+from support import checkpoint
 
 # GPT-2's pre-tokenizer regex: contractions, words with an optional leading
 # space, numbers, punctuation runs, and whitespace (a run keeps its last
@@ -55,19 +55,6 @@ def _unicode_to_byte() -> dict[str, int]:
     others = [b for b in range(256) if b not in table.values()]
     table.update({chr(256 + i): b for i, b in enumerate(others)})   # the rest shift to U+0100...
     return table
-
-
-def _pattern_from(pre_tokenizer: dict | None) -> str:
-    """Translate the Hugging Face pre-tokenizer description into one regex."""
-    steps = pre_tokenizer.get("pretokenizers", [pre_tokenizer]) if pre_tokenizer else []
-    kinds = [s["type"] for s in steps]
-    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
-        return GPT2_PATTERN
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
-        return DIGITS_THEN_GPT2_PATTERN
-    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
-        return steps[0]["pattern"]["Regex"]   # e.g. Llama 3 ships its regex explicitly
-    raise ValueError(f"unsupported pre-tokenizer {kinds}: expected byte-level BPE")
 
 
 class Tokenizer:
@@ -101,27 +88,8 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str) -> "Tokenizer":
-        """Read tokenizer.json (+ tokenizer_config.json) from a checkpoint directory."""
-        tj = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tj):
-            raise FileNotFoundError(f"no tokenizer.json in {path}")
-        with open(tj, encoding="utf-8") as f:
-            data = json.load(f)
-        model = data.get("model", {})
-        if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-            raise ValueError(f"{tj}: only byte-level BPE tokenizers are supported, got {model.get('type')!r}")
-        specials = {t["content"]: t["id"] for t in data.get("added_tokens", [])}
-        cfg = {}
-        cfg_file = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(cfg_file):
-            with open(cfg_file, encoding="utf-8") as f:
-                cfg = json.load(f)
-
-        def name(t):   # tokenizer_config stores a token as a string or as {"content": ...}
-            return t.get("content") if isinstance(t, dict) else t
-        return cls(model["vocab"], specials, _pattern_from(data.get("pre_tokenizer")),
-                   eos_token=name(cfg.get("eos_token")), bos_token=name(cfg.get("bos_token")),
-                   chat_template=cfg.get("chat_template"))
+        """Read tokenizer.json (+ tokenizer_config.json) of a checkpoint directory (support/checkpoint.py)."""
+        return cls(**checkpoint.read_tokenizer_files(path, GPT2_PATTERN, DIGITS_THEN_GPT2_PATTERN))
 
     # -- encode / decode ------------------------------------------------------
 

@@ -31,7 +31,7 @@ Where each thing lives (one place each, standard library only):
 A student version replaces every chosen region by
 
         # assignment: sampler
-        raise NotImplementedError("assignment sampler: <spec>; see tests/test_scheduler.py::test_a, test_b")
+        raise NotImplementedError("assignment sampler: <spec>; see tests/test_sampler.py::test_a, test_b")
         # end assignment
 
 so the markers stay (the student writes between them) and an assignment is
@@ -118,11 +118,11 @@ ASSIGNMENTS = {
         "decodes first (preempting the newest running sequence while the pool is short), then prefill chunks, "
         "then FCFS admissions within seats and the token budget; preempt requeues at the front"),
     "sampler": Assignment(
-        "6. continuous batching (scheduler.py): the sampler",
+        "6. continuous batching (sampler.py): the sampler",
         "temperature, then top-k, then top-p per row; an inverse-CDF draw with one uniform per row; "
         "counter-based uniform noise from (key, position, stream)"),
     "stop-strings": Assignment(
-        "6. continuous batching (scheduler.py): stop strings",
+        "6. continuous batching (sampler.py): stop strings",
         "Knuth-Morris-Pratt over streamed text with the given failure tables: feed returns (end, length) of "
         "the first stop string completed (the longest of those ending there), partial the longest match still open"),
     "rejection-sampling": Assignment(

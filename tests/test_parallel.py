@@ -18,24 +18,32 @@ To pass, implement:
     a fork), in int8, and on the real model with N = 3 (greedy tokens
     identical; each rank's pool holds a third of the bytes per token);
   * failures: indivisible shapes raise before any process starts; close()
-    leaves no process; a killed worker makes the next step raise within
-    seconds; so does a worker that dies in the middle of a collective;
+    leaves no process; a worker that fails to load is named with its error;
+    a killed worker makes the next step raise within seconds; so does a
+    worker that dies in the middle of a collective;
+  * worker processes start as their own interpreters running
+    parallel.worker_main (support/workers.py): a user's script needs no
+    `if __name__ == "__main__":` guard, even when read from stdin, and
+    leaves no worker running when it exits;
   * tensor_parallel_cost: the lecture's arithmetic; checked on Llama-3.1-8B's
     shapes against its published parameter count and a sharded meta model.
 
 The groups are expensive to start (a process importing torch), so the tests
 share one open group at a time (open_group below), in file order.
 """
+import dataclasses
 import json
-import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import save_checkpoint, tiny_model
+from conftest import ROOT, save_checkpoint, tiny_model
 
 import parallel
 from cache import AttentionContext, BlockManager, kv_cache_bytes
@@ -66,8 +74,36 @@ def close_groups():
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_at_end():
+    _BASELINE.update(children())    # children of other tests' fixtures, not ours
     yield
     close_groups()
+
+
+_BASELINE = set()
+
+
+def children() -> set[int]:
+    """pids of this process's running (not zombie) children. The workers are
+    plain subprocesses, which multiprocessing.active_children() does not see."""
+    me, out = os.getpid(), set()
+    if not os.path.isdir("/proc"):                          # not Linux: ask ps
+        ps = subprocess.Popen(["ps", "-A", "-o", "pid=,ppid=,stat="], stdout=subprocess.PIPE, text=True)
+        rows = [line.split()[:3] for line in ps.communicate()[0].splitlines()]
+        return {int(p) for p, pp, st in rows if int(pp) == me and not st.startswith("Z")} - {ps.pid}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue                                        # gone meanwhile
+        if int(ppid) == me and state != "Z":
+            out.add(int(d))
+    return out
+
+
+def strays() -> set[int]:
+    """Children started by this file's tests that still run."""
+    return children() - _BASELINE
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +125,15 @@ def reference(path, quantization=None):
 
 
 def alive(pid):
+    """Running (a zombie, dead but not yet reaped, is not)."""
     try:
         os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except ProcessLookupError:
         return False
-    return True
+    except OSError:
+        return True                         # no /proc (not Linux): kill(0) said it exists
 
 
 # ------------------------------------------------------------ sharding, in one process
@@ -144,7 +184,7 @@ def test_shard_model_keeps_each_ranks_slice(quantized):
 
 def test_indivisible_shapes_raise_before_any_process_starts(tmp_path, monkeypatch):
     path = save_checkpoint(tiny_model(vocab_size=500, ffn_dim=128), tmp_path)  # 6 heads, 2 KV heads
-    before = multiprocessing.active_children()
+    before = children()
     with pytest.raises(ValueError, match=r"KV heads 2.*FFN width 128.*vocabulary size 500"):
         TensorParallelGroup(path, 3)
     with pytest.raises(ValueError, match="attention heads 6"):
@@ -156,7 +196,7 @@ def test_indivisible_shapes_raise_before_any_process_starts(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="needs 2 GPUs, 1 visible"):
         TensorParallelGroup(path, 2, device="cuda")
-    assert multiprocessing.active_children() == before, "a process was started before the check"
+    assert children() == before, "a process was started before the check"
     assert not dist.is_initialized(), "the process group was joined before the check"
 
 
@@ -165,8 +205,24 @@ def test_a_failed_start_raises_and_leaves_no_process(tmp_path):
     os.remove(os.path.join(path, "model.safetensors"))     # the config reads, the weights do not
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         TensorParallelGroup(path, 2)
-    assert not multiprocessing.active_children(), "the workers of a failed start must be stopped"
+    assert not strays(), "the workers of a failed start must be stopped"
     assert not dist.is_initialized()
+
+
+def test_a_worker_that_fails_to_load_is_named_with_its_error(tiny_dir, monkeypatch):
+    """Rank 0 loads, its worker does not: the start fails as soon as the worker
+    exits, naming its rank, exit code and the last line of its traceback."""
+    import support.workers
+    to_json = support.workers.WorkerSpec.to_json
+    missing = os.path.join(tiny_dir, "missing")
+    monkeypatch.setattr(support.workers.WorkerSpec, "to_json",     # what the workers are told to load
+                        lambda spec: to_json(dataclasses.replace(spec, path=missing)))
+    t0 = time.perf_counter()
+    with pytest.raises(TensorParallelError, match=r"failed to start.*rank 1 \(pid \d+\) died, exit code 1: "
+                                                  r"FileNotFoundError.*missing"):
+        TensorParallelGroup(tiny_dir, 2, startup_timeout_s=300)
+    assert time.perf_counter() - t0 < 120, "a worker's failed start must be reported when it happens"
+    assert not strays() and not dist.is_initialized()
 
 
 # ------------------------------------------------------------ the tiny model, N = 2
@@ -271,7 +327,7 @@ def test_worker_dying_inside_a_collective_raises(tiny_dir):
         group.run(_die_on_workers)
     assert time.perf_counter() - t0 < 5, "a peer gone mid-collective must fail in seconds"
     close_groups()
-    assert not multiprocessing.active_children()
+    assert not strays()
 
 
 # ------------------------------------------------------------ int8, and a killed worker
@@ -307,7 +363,7 @@ def test_killed_worker_raises_within_seconds(tiny_dir):
     with pytest.raises(TensorParallelError, match="close"):   # and the group stays refused
         group.forward(ids, torch.arange(5))
     close_groups()
-    assert not alive(pid) and not multiprocessing.active_children()
+    assert not alive(pid) and not strays()
     assert not dist.is_initialized()
 
 
@@ -340,7 +396,7 @@ def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real
     pids = group.pids
     close_groups()
     assert not any(alive(p) for p in pids), "close() must leave no worker process"
-    assert not multiprocessing.active_children() and not dist.is_initialized()
+    assert not strays() and not dist.is_initialized()
 
 
 # ------------------------------------------------------------ through the engine
@@ -373,6 +429,42 @@ def test_engine_n2_equals_n1_batched_chunked_preempted(tiny_dir):
         llm.close()
     assert not any(alive(p) for p in pids), "LLM.close() must leave no worker process"
     assert not dist.is_initialized()
+
+
+# A user's script as people write them: no `if __name__ == "__main__":` guard, no close().
+UNGUARDED_SCRIPT = """
+import dataclasses
+import json
+from scheduler import LLM, SamplingParams
+llm = LLM(path={path!r}, tensor_parallel_size=2, kv_cache_bytes=1 << 20)
+outs = llm.generate({prompts!r}, SamplingParams(max_tokens=8, ignore_eos=True))
+print(json.dumps({{"tokens": [o.token_ids for o in outs], "pids": llm.tp.pids}}))
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+@pytest.mark.needs("tensor-parallel", "engine")
+def test_unguarded_script_runs_tensor_parallel(tiny_dir, tmp_path, how):
+    """A script without a __main__ guard, run as a file or piped to `python -`,
+    starts its workers (which must not re-run the script), gets the greedy
+    tokens of N = 1, and at exit leaves no worker running and no traceback."""
+    close_groups()
+    from scheduler import LLM, SamplingParams
+    prompts = [[5, 17, 300, 2, 9, 44], [7, 7, 100, 200, 301, 400, 3]]   # ids: the tiny vocabulary is 512
+    want = [o.token_ids for o in LLM(tiny_dir, kv_cache_bytes=1 << 20).generate(
+        prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+    script = textwrap.dedent(UNGUARDED_SCRIPT.format(path=tiny_dir, prompts=prompts))
+    (tmp_path / "user_script.py").write_text(script)
+    argv, stdin = ([sys.executable, "user_script.py"], None) if how == "file" else ([sys.executable, "-"], script)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = subprocess.run(argv, input=stdin, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"the unguarded script ({how}) failed:\n{run.stderr[-3000:]}"
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, f"the script's body ran {len(lines)} times (a worker re-ran it?):\n{run.stdout}"
+    out = json.loads(lines[0])
+    assert out["tokens"] == want, "N=2 in a script gave other greedy tokens than N=1"
+    assert "Traceback" not in run.stderr, f"a process failed at exit:\n{run.stderr[-3000:]}"
+    assert len(out["pids"]) == 1 and not any(alive(p) for p in out["pids"]), "a worker outlived the script"
 
 
 # ------------------------------------------------------------ the lecture's arithmetic

@@ -10,8 +10,9 @@ To pass, implement:
     a quarter of float32's bytes;
   * Int8KVCache: quantize on write, dequantize in blocks(); paged attention
     over it stays close to the float cache;
-  * perplexity(): on the real model and the shipped eval text, measured here:
-    float32 24.29, int8 weights 24.41 (+0.5%), int8 with bf16 activations 24.57.
+  * what int8 costs in quality: bench.perplexity() on the real model and the
+    shipped eval text, measured here: float32 24.29, int8 weights 24.41 (+0.5%),
+    int8 with bf16 activations 24.57.
 """
 import math
 
@@ -24,8 +25,9 @@ from conftest import tiny_config, tiny_model
 
 from cache import KVCache, paged_attention
 from model import generate
-from quantize import (Int8KVCache, Int8Linear, dequantize_int8, eval_text, int8_kv_cache_bytes,
-                      decode_weight_bytes, perplexity, quantize_int8, quantize_model)
+from bench import eval_text, perplexity
+from quantize import (Int8KVCache, Int8Linear, dequantize_int8, int8_kv_cache_bytes, decode_weight_bytes,
+                      make_kv_cache, quantize_int8, quantize_model)
 from scheduler import LLM, SamplingParams
 
 
@@ -242,12 +244,17 @@ def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, 
 
 @pytest.mark.needs("int8")
 def test_int8_misuse_is_refused_and_layers_say_what_they_are():
-    """An int8 KV pool of no blocks and a perplexity over fewer than two
-    tokens are refused with a message; an Int8Linear's repr names its shape
-    and int8, as nn.Linear's does."""
-    from quantize import perplexity
+    """An int8 KV pool of no blocks, an unknown kv_cache_dtype and a
+    perplexity over fewer than two tokens are refused with a message; an
+    Int8Linear's repr names its shape and int8, as nn.Linear's does."""
     with pytest.raises(ValueError, match="too small for a single block"):
         Int8KVCache(tiny_config(), 0, 16, "cpu", torch.float32)
+    # make_kv_cache, the one constructor of a pool: the model's dtype or int8, nothing else
+    plain, int8 = (make_kv_cache(tiny_config(), 3, 4, kind, "cpu", torch.bfloat16) for kind in (None, "int8"))
+    assert type(plain) is KVCache and plain.k.dtype == torch.bfloat16
+    assert type(int8) is Int8KVCache and int8.k.dtype == torch.int8 and int8.blocks(0, 0)[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_kv_cache(tiny_config(), 3, 4, "fp8", "cpu", torch.float32)
     with pytest.raises(ValueError, match="at least two tokens"):
         perplexity(tiny_model(), [5])
     layer = Int8Linear(torch.nn.Linear(16, 8, bias=False))

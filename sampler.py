@@ -1,0 +1,362 @@
+"""
+sampler.py -- sampling that costs what a request asks for.
+
+The lesson: sampling is per request (temperature, top-k, top-p, a seed), yet
+it must run as ONE batched operation per step, and pay only for what each
+request asks for. Greedy rows (the common case) are one argmax: no sort, no
+softmax, no noise. Only the rows that ask for top-k pay for a topk, only
+those with top-p < 1 for a sort. Every sampled row then draws its token with
+ONE uniform number, by inverse CDF, in one vectorized operation for the
+whole batch.
+
+Where the uniform numbers come from is the trick. A per-request
+torch.Generator would need one kernel launch per row (its state is
+sequential), and a preempted request would replay different noise. Instead
+the noise is counter-based: u = hash(request key, output position, stream),
+a pure function, like JAX's or Philox's counters. The key mixes the
+request's seed with the sample index, so a seeded request gets the same
+tokens whatever else is in the batch, and after preemption, and no two
+samples of one request share noise. Streams keep the noise of different
+uses of one position (the draw, a draft's acceptance test, the draft
+model's own draw) independent.
+
+Place in the data flow: part 3 of LLM.step (scheduler.py). The engine hands
+sample_tokens the logits rows of every sequence that samples (its last
+position, or the k+1 positions of a draft verification, judged by
+speculative.py's rejection rule) and gets the new tokens back after the
+step's one wait for the device. Part 4 streams each sequence's text
+through its StopStrings.
+
+In reading order: SamplingParams (what a request asks for), the noise,
+filtered_probs and draw, sample_tokens (the step's one call) with its
+logprobs and fetch, sampling each request alone when the batch fails, the
+draft model's sampling, and stop strings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from speculative import rejection_sample_batched
+from support.checks import check_sampling_params
+
+# ----------------------------------------------------------------------------
+# What a request asks for
+# ----------------------------------------------------------------------------
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request, and when to stop.
+
+    Every field's range is stated once, here (LIMITS); the server validates
+    requests with this same class, so the library and the API agree. The
+    checks that walk LIMITS are plumbing: support/checks.py.
+    """
+    max_tokens: int = 64            # new tokens at most (per sample)
+    temperature: float = 0.0        # 0 = greedy (argmax); otherwise softmax(logits / T)
+    top_k: int = 0                  # keep the k most likely tokens (0 = all; k >= vocab = all)
+    top_p: float = 1.0              # keep the smallest set with probability >= top_p
+    seed: int | None = None         # same tokens whatever the batch (counter-based noise, below)
+    stop: list = field(default_factory=list)            # stop strings (cut from the text)
+    stop_token_ids: list = field(default_factory=list)  # extra token ids that end generation
+    ignore_eos: bool = False        # keep going past EOS (benchmarks)
+    n: int = 1                      # parallel samples sharing the prompt (copy-on-write)
+    logprobs: int | None = None     # None, or the chosen token's logprob + this many alternatives
+
+    # The bounds, in one place. Integers that reach a tensor or a hash must fit
+    # 64 bits; counts that cost memory or time per step are capped.
+    LIMITS = {"max_tokens": 2**31 - 1, "n": 128, "logprobs": 20, "stop": 16, "stop_chars": 1024,
+              "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1)}
+    GREEDY_BELOW = 1e-5             # temperatures this small are greedy (logits / 1e-30 would overflow)
+
+    def __post_init__(self):
+        check_sampling_params(self)     # ValueError naming the field; a stop string becomes [string]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < self.GREEDY_BELOW
+
+
+# ----------------------------------------------------------------------------
+# Counter-based noise
+# ----------------------------------------------------------------------------
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15          # 2^64 / golden ratio: SplitMix64's increment
+DRAW, ACCEPT, DRAFT = 0, 1, 2        # noise streams
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that scrambles every bit."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
+    return x ^ (x >> 31)
+
+
+def sample_key(seed: int, index: int) -> int:
+    """The 64-bit key of one sample stream: a request's seed and its sample index."""
+    return _mix64((_mix64(seed & MASK64) + (index + 1) * GOLDEN) & MASK64)
+
+
+def uniform(key: int, position: int, stream: int = DRAW) -> float:
+    """u in [0, 1): the noise of output position `position` of a sample stream,
+    the (position * 3 + stream)-th output of a SplitMix64 generator started at key."""
+    # assignment: sampler
+    return (_mix64((key + (position * 3 + stream + 1) * GOLDEN) & MASK64) >> 11) * 2.0 ** -53
+    # end assignment
+
+
+# ----------------------------------------------------------------------------
+# Filtering and the draw
+# ----------------------------------------------------------------------------
+
+def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
+    """Probabilities [R, V] of sampled rows after temperature, top-k, then top-p.
+
+    logits [R, V] float32; temperature [R] tensor; top_k (0 = off) and top_p
+    (1 = off) as host lists, so no host-device round trip decides which rows
+    need filtering. Ties at a threshold are kept (a filter may keep a few
+    more tokens than asked when their logits are exactly equal).
+    """
+    # assignment: sampler
+    R, V = logits.shape
+    logits = logits / temperature[:, None]
+    k_rows = [i for i, k in enumerate(top_k) if 0 < k < V]
+    if k_rows:                                      # top-k: keep logits >= the k-th largest
+        rows = torch.tensor(k_rows, device=logits.device)
+        sub = logits[rows]
+        vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values          # [Rk, kmax], descending
+        kth = vals.gather(1, torch.tensor([[top_k[i] - 1] for i in k_rows], device=logits.device))
+        logits[rows] = sub.masked_fill(sub < kth, float("-inf"))
+    p_rows = [i for i, p in enumerate(top_p) if p < 1]
+    if p_rows:                                      # top-p: the smallest prefix with mass >= p
+        rows = torch.tensor(p_rows, device=logits.device)
+        sub = logits[rows]
+        sorted_logits = sub.sort(dim=-1, descending=True).values
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs                                # mass strictly before each
+        p = torch.tensor([top_p[i] for i in p_rows], device=logits.device, dtype=probs.dtype)
+        n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)  # the top token always stays
+        # (clamp: a top_p below float32's smallest number, e.g. 1e-300, rounds to 0 above)
+        logits[rows] = sub.masked_fill(sub < sorted_logits.gather(1, n_keep - 1), float("-inf"))
+    return logits.softmax(dim=-1)
+    # end assignment
+
+
+def draw(probs, u):
+    """Inverse-CDF sampling, one uniform per row: probs [R, V] (unnormalized is
+    fine), u [R] -> tokens [R]: the first token whose cumulative probability
+    exceeds u * total. A token of probability 0 adds nothing to the cumulative
+    sum, so it can never be chosen. float64: tail tokens of p ~ 1e-9 keep
+    their chance next to a cumulative sum near 1."""
+    # assignment: sampler
+    cdf = probs.double().cumsum(dim=-1)                                      # [R, V]
+    x = (u.double() * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp(max=probs.shape[1] - 1)
+    # end assignment
+
+
+# ----------------------------------------------------------------------------
+# The step's one call: every sequence's tokens, with ONE wait for the device
+# ----------------------------------------------------------------------------
+
+@dataclass
+class SampleRequest:
+    """What one sequence asks of this step's sampler (built on the host)."""
+    row: int                       # its first row in the logits
+    drafts: list                   # draft tokens to verify (empty: a plain sample)
+    params: SamplingParams
+    key: int                       # sample_key of the sequence
+    position: int                  # output index of the first token it will get
+    draft_probs: torch.Tensor | None = None   # [len(drafts), V] of a draft model (None: one-hot)
+
+
+def sample_tokens(logits, reqs: list[SampleRequest]):
+    """Every sequence's new tokens: a sample, or the accepted drafts + one.
+
+    Sequence s owns logits rows row_s .. row_s + k_s (k_s drafts). Plain
+    sampling is verification with k = 0, so one code path serves both.
+    Returns, on the host after the step's single wait for the device, per
+    sequence: (tokens, raw-logit logprobs info or None, finite: bool).
+    """
+    S, K = len(reqs), max(len(r.drafts) for r in reqs)
+    dev = logits.device
+    n = np.array([len(r.drafts) for r in reqs])
+    ridx = np.array([r.row for r in reqs])[:, None] + np.minimum(np.arange(K + 1)[None, :], n[:, None])
+    drafts = np.full((S, max(K, 1)), -1)
+    for s, r in enumerate(reqs):
+        drafts[s, :len(r.drafts)] = r.drafts
+    idx, d, n_t = (torch.as_tensor(a, device=dev) for a in (ridx, drafts, n))
+    best, argmax = logits.max(dim=-1)                          # [R]: greedy tokens, and a NaN/inf check
+    tokens = argmax[idx]                                       # [S, K+1]: the target's argmax per position
+    if K:                                                      # greedy rule: accept while draft == argmax
+        agree = (tokens[:, :K] == d[:, :K]) & (torch.arange(K, device=dev)[None] < n_t[:, None])
+        n_acc = agree.long().cumprod(dim=1).sum(dim=1)
+    else:
+        n_acc = torch.zeros(S, dtype=torch.long, device=dev)
+    sampled = [s for s, r in enumerate(reqs) if not r.params.greedy]
+    if sampled:
+        toks, acc = _sample_rows(logits, [reqs[s] for s in sampled], ridx[sampled], d[sampled], n_t[sampled])
+        sel = torch.as_tensor(sampled, device=dev)
+        tokens[sel], n_acc[sel] = toks, acc
+    finite = torch.isfinite(best[idx]).all(dim=1)
+    want_lp = [s for s, r in enumerate(reqs) if r.params.logprobs is not None]
+    lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], max(reqs[s].params.logprobs for s in want_lp)) \
+        if want_lp else []
+    host = fetch(torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1), *lp)
+    out = [(row[:row[K + 1] + 1], None, bool(row[K + 2])) for row in host[0]]
+    for j, s in enumerate(want_lp):                            # (chosen logprob, {alternative: logprob}) per token
+        m, k = out[s][0], reqs[s].params.logprobs
+        info = [(host[1][j][i], dict(zip(host[3][j][i][:k], host[2][j][i][:k]))) for i in range(len(m))]
+        out[s] = (m, info, out[s][2])
+    return out
+
+
+def _sample_rows(logits, reqs, ridx, d, n):
+    """Sampled (temperature > 0) sequences: filtered target distributions, the
+    rejection rule over the drafts, and one inverse-CDF draw each."""
+    S, K1 = ridx.shape
+    rows = torch.as_tensor(ridx.reshape(-1), device=logits.device)
+    per_row = lambda f: [f(r) for r in reqs for _ in range(K1)]                     # noqa: E731
+    temp = torch.tensor(per_row(lambda r: r.params.temperature), device=logits.device, dtype=logits.dtype)
+    probs = filtered_probs(logits[rows], temp, per_row(lambda r: r.params.top_k),
+                           per_row(lambda r: r.params.top_p)).view(S, K1, -1)           # [S, K+1, V]
+    dp = None
+    if any(r.draft_probs is not None for r in reqs):                                 # a draft model's p
+        dp = torch.zeros(S, K1 - 1, probs.shape[-1], device=logits.device)
+        for s, r in enumerate(reqs):
+            if r.draft_probs is not None:
+                dp[s, :len(r.drafts)] = r.draft_probs
+    accept_u = torch.tensor([[uniform(r.key, r.position + j, ACCEPT) for j in range(K1 - 1)] for r in reqs],
+                            device=logits.device, dtype=torch.float64).view(S, K1 - 1)
+    n_acc, final = rejection_sample_batched(probs, dp, d[:, :K1 - 1], n, accept_u)
+    # the extra token lands at output position + n_acc: that position's DRAW noise
+    draw_u = torch.tensor([[uniform(r.key, r.position + j) for j in range(K1)] for r in reqs],
+                          device=logits.device, dtype=torch.float64)
+    final_tok = draw(final, draw_u.gather(1, n_acc[:, None])[:, 0])
+    j = torch.arange(K1, device=logits.device)[None]
+    drafts = torch.cat([d[:, :K1 - 1], d.new_zeros(S, 1)], dim=1)
+    return torch.where(j < n_acc[:, None], drafts, final_tok[:, None]), n_acc
+
+
+def _logprobs(logits, ridx, tokens, top: int):
+    """log_softmax of the RAW logits (no temperature, no filtering, as OpenAI's
+    API and vLLM report them): the chosen tokens' values and the top alternatives."""
+    logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)   # [S', K+1, V]
+    chosen = logp.gather(-1, tokens[..., None])[..., 0]
+    alt = logp.topk(max(top, 1), dim=-1)
+    return [chosen, alt.values, alt.indices]
+
+
+def fetch(*tensors) -> list:
+    """Device -> host lists with ONE wait: the step's only synchronization."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return [t.tolist() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # pragma: no cover (CUDA)
+            for t in tensors]
+    torch.cuda.current_stream(tensors[0].device).synchronize()  # pragma: no cover (CUDA)
+    return [h.tolist() for h in host]  # pragma: no cover (CUDA)
+
+
+# ----------------------------------------------------------------------------
+# Fault isolation: the whole batch at once, else each request alone
+# ----------------------------------------------------------------------------
+
+def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
+    """run(asks) -> one result per ask, for the whole batch at once. If it
+    raises, no single request is known to be the cause: run each ask alone
+    and fail only those whose own run raises (their result: `skipped`).
+    asks are (sequence, ask) pairs; fail(request, message) finishes a request."""
+    try:
+        return run(asks) if asks else []
+    except Exception:
+        out = []
+        for one in asks:
+            try:
+                out += run([one])
+            except Exception as e:
+                fail(one[0].request, f"{what} failed: {type(e).__name__}: {e}")
+                out.append(skipped)
+        return out
+
+
+def sample_isolated(logits, asks, fail):
+    """sample_tokens for every (sequence, SampleRequest) of the step; if the
+    batch raises, each alone: the noise is a function of the request, so the
+    tokens are the same, and only requests whose own sampling raises fail."""
+    return batch_then_each(lambda part: sample_tokens(logits, [a for _, a in part]), asks, fail,
+                           "sampling", ([], None, True))      # skipped by the engine: its request failed
+
+
+def draft_sampler(asks):
+    """The draft model samples with each request's own params and noise
+    (stream DRAFT); greedy requests take its argmax, as one-hot probabilities."""
+    seqs = [seq for seq, _ in asks]
+
+    def draft_sample(logits, idx, step):       # logits [R, V] of the requests idx, at draft step `step`
+        ps, dev = [seqs[i].params for i in idx], logits.device
+        temp = torch.tensor([max(p.temperature, SamplingParams.GREEDY_BELOW) for p in ps], device=dev)
+        probs = filtered_probs(logits.float(), temp, [p.top_k for p in ps], [p.top_p for p in ps])
+        greedy = torch.tensor([p.greedy for p in ps], device=dev)
+        probs = torch.where(greedy[:, None], torch.zeros_like(probs).scatter_(
+            1, logits.argmax(-1, keepdim=True), 1.0), probs)
+        u = torch.tensor([uniform(seqs[i].key, seqs[i].num_output + step, DRAFT) for i in idx], device=dev)
+        return draw(probs, u).tolist(), probs
+    return draft_sample
+
+
+# ----------------------------------------------------------------------------
+# Stop strings, matched as the text streams
+# ----------------------------------------------------------------------------
+
+class StopStrings:
+    """Knuth-Morris-Pratt over the text as it streams: O(new characters) per step.
+
+    For each stop string we keep how many of its leading characters the text
+    currently ends with (`state`). A new character either extends that match
+    or falls back along the string's failure table (the longest proper prefix
+    that is also a suffix). The largest state is exactly how much trailing
+    text must be held back from a stream: it may still become a stop string.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.state = stops, [0] * len(stops)
+        self.fail = [self._failure(s) for s in stops]
+
+    @staticmethod
+    def _failure(s: str) -> list[int]:
+        f, k = [0] * len(s), 0
+        for i in range(1, len(s)):
+            while k and s[i] != s[k]:
+                k = f[k - 1]
+            k += s[i] == s[k]
+            f[i] = k
+        return f
+
+    def feed(self, text: str):
+        """Advance over text. Returns (end, length) of the first stop string
+        completed in it (end is an index into text, exclusive), or None."""
+        # assignment: stop-strings
+        for i, ch in enumerate(text):
+            hit = 0
+            for j, s in enumerate(self.stops):
+                k = self.state[j]
+                while k and s[k] != ch:
+                    k = self.fail[j][k - 1]
+                k += s[k] == ch
+                if k == len(s):
+                    hit, k = max(hit, k), self.fail[j][k - 1]
+                self.state[j] = k
+            if hit:                   # several end here: the longest started first
+                return i + 1, hit
+        return None
+        # end assignment
+
+    @property
+    def partial(self) -> int:
+        """Trailing characters that may still turn into a stop string."""
+        # assignment: stop-strings
+        return max(self.state)
+        # end assignment

@@ -1,0 +1,556 @@
+"""
+support/checkpoint.py -- strict checkpoint loading, config validation, "random:" presets.
+
+What it protects: a model that loads must be the model its files describe.
+A config.json with a typo ("30" layers as a string, 29 layers over 30 layers
+of weights, tie_word_embeddings over a trained LM head) would otherwise load
+"successfully" and produce garbage, or fail far away as a TypeError deep in
+the model. So every config field is type- and range-checked and named as
+config.json spells it, and loading is strict like
+load_state_dict(strict=True): the weights must hold exactly the tensors the
+config implies, with the implied shapes, or ONE error lists every
+difference with a hint at the config field that probably disagrees.
+
+It also holds the "random:<preset>" models (published shapes, seeded random
+weights: the lecture's model sizes without a download) and reads the
+tokenizer files of a checkpoint for tokenizer.py.
+
+It works on plain data and imports nothing of the tour (support/'s rule):
+config validation returns a dict of ModelConfig's fields; model.load_model
+builds the Transformer on the meta device, passes {name: shape} of the
+tensors it expects and gets back {name: tensor} (read strictly from the
+files, or seeded random values), then assigns them. A config object passed
+here is only read by attribute (n_layers, tie_embeddings, attention_bias).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import zlib
+
+import torch
+
+from support.default_model import default_model_path
+
+RANDOM_PREFIX = "random:"
+
+
+# ----------------------------------------------------------------------------
+# Config validation: a Hugging Face config.json dict -> ModelConfig's fields
+# ----------------------------------------------------------------------------
+
+def config_fields(hf: dict) -> dict:
+    """Read a Hugging Face config.json dict, refusing what the model cannot run.
+
+    Returns the keyword arguments of model.ModelConfig. Every field is type-
+    and range-checked, and an error names the field as config.json spells
+    it: a string "30" for num_hidden_layers, or a max_position_embeddings of
+    0, fails here, at load time, instead of as a TypeError deep inside the
+    model or as every prompt refused later.
+    """
+    if not isinstance(hf, dict):
+        raise ValueError(f"a model config must be a JSON object, got {type(hf).__name__}")
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config field architectures must be a list of strings, got {archs!r}")
+    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
+        raise ValueError(
+            f"unsupported architecture: model_type={hf.get('model_type')!r}, "
+            f"architectures={archs}; nanoinfer runs Llama-family checkpoints only")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (Llama uses silu)")
+    if _bool_field(hf, "mlp_bias", False):
+        raise ValueError("unsupported mlp_bias=true: Llama's MLP has no bias")
+    dim = _int_field(hf, "hidden_size")
+    n_heads = _int_field(hf, "num_attention_heads")
+    n_kv = _int_field(hf, "num_key_value_heads", n_heads, hi=n_heads)   # absent: plain MHA
+    if n_heads % n_kv:
+        raise ValueError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}: "
+                         f"GQA needs every KV head shared by the same number of query heads")
+    if hf.get("head_dim") is None and dim % n_heads:
+        raise ValueError(f"hidden_size={dim} is not divisible by num_attention_heads={n_heads}; "
+                         f"such a checkpoint must state head_dim")
+    head_dim = _int_field(hf, "head_dim", dim // n_heads)
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} must be even: RoPE rotates pairs of dimensions")
+    vocab = _int_field(hf, "vocab_size")
+    rope_theta, rope_scaling = _rope_settings(hf)
+    return dict(
+        dim=dim, n_layers=_int_field(hf, "num_hidden_layers", hi=MAX_LAYERS),
+        n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        ffn_dim=_int_field(hf, "intermediate_size"), vocab_size=vocab,
+        rope_theta=rope_theta, rope_scaling=rope_scaling,
+        rms_eps=_float_field(hf, "rms_norm_eps", 1e-5, lambda v: 0 < v < 1, "in (0, 1)"),
+        tie_embeddings=_bool_field(hf, "tie_word_embeddings", False),
+        max_seq_len=_int_field(hf, "max_position_embeddings", 2048),
+        attention_bias=_bool_field(hf, "attention_bias", False),
+        bos_token_id=_token_ids(hf, "bos_token_id", vocab),
+        eos_token_id=_token_ids(hf, "eos_token_id", vocab),
+    )
+
+
+# Field checks for config_fields. Sizes are JSON integers (not 30.0, not "30",
+# not true: Python's bool is an int, so it is refused explicitly) in [1, 2^31 - 1].
+# The layer count has a tighter cap: the deepest published Llama has 126
+# layers, and a typo of a billion would make the loader build a billion
+# modules before it could say the weights disagree.
+MAX_LAYERS = 1024
+_REQUIRED = object()
+
+
+def _missing(name):
+    return ValueError(f"config.json is missing the field {name!r}")
+
+
+def _int_field(d: dict, key: str, default=_REQUIRED, lo: int = 1, hi: int = 2**31 - 1, name=None) -> int:
+    name, v = name or key, d.get(key)
+    if v is None:                       # absent or null: the default, if the field has one
+        if default is _REQUIRED:
+            raise _missing(name)
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"config field {name} must be an integer, got {v!r} ({type(v).__name__})")
+    if not lo <= v <= hi:
+        raise ValueError(f"config field {name}={v} is out of range: it must be in [{lo}, {hi}]")
+    return v
+
+
+def _float_field(d: dict, key: str, default, ok=lambda v: v > 0, rule: str = "> 0", name=None) -> float:
+    name, v = name or key, d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise _missing(name)
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"config field {name} must be a number, got {v!r} ({type(v).__name__})")
+    if not math.isfinite(v) or not ok(v):     # Python's json accepts NaN and Infinity
+        raise ValueError(f"config field {name}={v} is out of range: it must be finite and {rule}")
+    return float(v)
+
+
+def _bool_field(d: dict, key: str, default: bool) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):          # "false" is a non-empty string, i.e. truthy: refuse it
+        raise ValueError(f"config field {key} must be true or false, got {v!r} ({type(v).__name__})")
+    return v
+
+
+def _token_ids(d: dict, key: str, vocab: int):
+    """bos/eos: null, one id, or a list of ids (Llama 3 Instruct stops on three), each in [0, vocab)."""
+    v = d.get(key)
+    if v is None:
+        return None
+    for t in (v if isinstance(v, list) else [v]):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise ValueError(f"config field {key} must be a token id in [0, vocab_size={vocab}) "
+                             f"or a list of them, got {v!r}")
+    return v
+
+
+def _rope_settings(hf: dict):
+    """-> (rope_theta, llama3 scaling dict or None).
+
+    transformers < 5 writes rope_theta + rope_scaling, transformers >= 5 one
+    rope_parameters dict holding both. Only Llama 3.1's "llama3" scaling is
+    implemented; its factors are checked here because rope_frequencies
+    divides by (high_freq_factor - low_freq_factor).
+    """
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ValueError(f"config field {key} must be an object or null, got {hf[key]!r}")
+    where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(where) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"unsupported RoPE scaling {rope_type!r} in {where}: only 'llama3' is implemented")
+    if "rope_theta" in hf:
+        theta = _float_field(hf, "rope_theta", 10000.0)
+    else:
+        theta = _float_field(rope, "rope_theta", 10000.0, name=f"{where}.rope_theta")
+    if rope_type != "llama3":
+        return theta, None
+    scaling = {
+        "rope_type": "llama3",
+        "factor": _float_field(rope, "factor", _REQUIRED, lambda v: v >= 1, ">= 1", name=f"{where}.factor"),
+        "low_freq_factor": _float_field(rope, "low_freq_factor", 1.0, name=f"{where}.low_freq_factor"),
+        "high_freq_factor": _float_field(rope, "high_freq_factor", 4.0, name=f"{where}.high_freq_factor"),
+        "original_max_position_embeddings": _int_field(rope, "original_max_position_embeddings",
+                                                       name=f"{where}.original_max_position_embeddings"),
+    }
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError(f"config field {where}.high_freq_factor ({scaling['high_freq_factor']}) must be "
+                         f"greater than low_freq_factor ({scaling['low_freq_factor']})")
+    return theta, scaling
+
+
+def read_config_fields(path) -> dict:
+    """ModelConfig's fields for a model path, reading no weight: a checkpoint
+    directory's config.json, or a "random:" preset's published config (with
+    random_seed set, so that everyone downstream can say the weights are random)."""
+    path = os.fspath(path)
+    if path.startswith(RANDOM_PREFIX):
+        name, seed = parse_random_path(path)
+        return {**config_fields(PRESETS[name]), "random_seed": seed}
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    try:
+        return config_fields(hf)
+    except ValueError as e:
+        raise ValueError(f"{cfg_file}: {e}") from None
+
+
+# ----------------------------------------------------------------------------
+# Loading a Hugging Face checkpoint directory, strictly
+# ----------------------------------------------------------------------------
+
+def read_tensors(path, cfg, expected: dict, device="cpu", dtype=torch.float32) -> dict:
+    """The tensors of checkpoint directory `path`: {name: tensor on device, in dtype}.
+
+    `expected` is {name: shape} of every tensor the model built from `cfg`
+    needs (model.load_model takes it from a meta-device Transformer). First
+    only the headers of the *.safetensors files are read and compared with
+    it (_check_tensors: one error lists every difference); then each tensor
+    is read from the memory-mapped file and cast straight to its final device
+    and dtype, one at a time, so peak memory is about one copy of the
+    weights, not two. With device="meta" no weight is read at all.
+    """
+    path = os.fspath(path)
+    files = _weight_files(path)
+    found = _scan_weights(path, files)
+    _check_tensors(path, cfg, expected, found)
+    tensors = {}
+    for fname in files:
+        wanted = {key: short for short, (f, key, _, _) in found.items() if f == fname and short in expected}
+        if str(device) == "meta":
+            tensors.update({s: torch.empty(found[s][2], device="meta", dtype=dtype) for s in wanted.values()})
+            continue
+        for key, t in _read_safetensors(os.path.join(path, fname), wanted):
+            tensors[wanted[key]] = t.to(device=device, dtype=dtype)   # one tensor at a time
+    return tensors
+
+
+def _weight_files(path: str) -> list[str]:
+    """The safetensors files: the shards model.safetensors.index.json lists, else every *.safetensors."""
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        try:
+            with open(index_file, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index_file} is not a valid shard index (a JSON object with a "
+                             f"weight_map of tensor name -> file): {e!r}") from None
+        absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if absent:
+            raise FileNotFoundError(f"{index_file} lists shards that are not in {path}: {absent}")
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in checkpoint directory {path}")
+    return files
+
+
+def _scan_weights(path: str, files: list[str]) -> dict:
+    """Read only the headers: short name -> (file, stored name, shape, dtype string).
+
+    Hugging Face names are "model.layers.0..." (LlamaForCausalLM wraps a
+    LlamaModel called "model") and "lm_head.weight"; ours drop "model.".
+    """
+    from safetensors import safe_open
+    found = {}
+    for fname in files:
+        fpath = os.path.join(path, fname)
+        try:
+            with safe_open(fpath, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    short = key.removeprefix("model.")
+                    if short in found:
+                        raise ValueError(f"tensor {short!r} appears twice in {path}: as {found[short][1]} "
+                                         f"in {found[short][0]} and as {key} in {fname}")
+                    found[short] = (fname, key, tuple(sl.get_shape()), sl.get_dtype())
+        except ValueError:
+            raise
+        except Exception as e:   # safetensors raises its own error type for bad headers / short files
+            raise ValueError(f"cannot read weights file {fpath} (truncated or corrupt?): {e}") from None
+    return found
+
+
+def _read_safetensors(fpath: str, keys):
+    """Yield (name, tensor) for the given stored names, one at a time, from a memory-mapped file."""
+    from safetensors import safe_open
+    try:
+        with safe_open(fpath, framework="pt", device="cpu") as f:
+            for key in keys:
+                yield key, f.get_tensor(key)
+    except Exception as e:
+        raise ValueError(f"cannot read weights file {fpath} (truncated or corrupt?): {e}") from None
+
+
+# Tensors some checkpoints hold that this model does not need, ignored on
+# purpose. Old transformers versions saved RoPE's inv_freq buffer in every
+# layer; we recompute it from the config (rope_frequencies), which is what
+# transformers itself does today.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")      # safetensors' names; int8/fp8 need scales we do not read
+
+
+def _check_tensors(path: str, cfg, expected: dict, found: dict) -> None:
+    """Compare the checkpoint with what the config implies; raise ONE ValueError listing every difference.
+
+    A stored lm_head.weight under tie_word_embeddings=true is accepted only
+    if it equals embed_tokens.weight (some exporters write the shared matrix
+    twice); a different one means the checkpoint has its own trained head
+    that tying would silently throw away, so it is an error.
+    """
+    present = {k: v for k, v in found.items() if not k.endswith(IGNORED_SUFFIXES)}
+    if cfg.tie_embeddings and "lm_head.weight" in present and "embed_tokens.weight" in present:
+        if _stored_tensors_equal(path, present["lm_head.weight"], present["embed_tokens.weight"]):
+            del present["lm_head.weight"]
+    missing = sorted(set(expected) - set(present), key=_natural)
+    unexpected = sorted(set(present) - set(expected), key=_natural)
+    common = sorted(set(expected) & set(present), key=_natural)
+    misshapen = [k for k in common if present[k][2] != expected[k]]
+    shapes = [f"{k} is {present[k][2]}, the config implies {expected[k]} = ({_shape_fields(k)})"
+              for k in misshapen]
+    dtypes = [f"{k}: {present[k][3]}" for k in common if present[k][3] not in FLOAT_DTYPES]
+    if not (missing or unexpected or shapes or dtypes):
+        return
+    lines = [f"checkpoint {path} does not match its config.json:"]
+    for title, items in (("missing (the config implies them, the weights lack them)", missing),
+                         ("unexpected (in the weights, not implied by the config)", unexpected),
+                         ("wrong shape", shapes),
+                         ("not floating point (quantized checkpoints are not supported)", dtypes)):
+        if items:
+            n = 3 if title == "wrong shape" else 8      # a shape line is long; a name is short
+            shown = ", ".join(items[:n]) + (f", ... and {len(items) - n} more" if len(items) > n else "")
+            lines.append(f"  {len(items)} {title}: {shown}")
+    lines.append("  hint: " + _mismatch_hint(cfg, present, missing + unexpected, misshapen))
+    raise ValueError("\n".join(lines))
+
+
+def _shape_fields(name: str) -> str:
+    """Which config fields set a tensor's shape, for the error message."""
+    for part, fields in (("embed_tokens", "vocab_size, hidden_size"), ("lm_head", "vocab_size, hidden_size"),
+                         ("q_proj", "num_attention_heads * head_dim, hidden_size"),
+                         ("k_proj", "num_key_value_heads * head_dim, hidden_size"),
+                         ("v_proj", "num_key_value_heads * head_dim, hidden_size"),
+                         ("o_proj", "hidden_size, num_attention_heads * head_dim"),
+                         ("gate_proj", "intermediate_size, hidden_size"),
+                         ("up_proj", "intermediate_size, hidden_size"),
+                         ("down_proj", "hidden_size, intermediate_size"), ("norm", "hidden_size")):
+        if part in name:
+            return fields
+    return "see config.json"
+
+
+def _natural(name: str):
+    """Sort key putting layers.2 before layers.10."""
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]
+
+
+def _mismatch_hint(cfg, present: dict, differing: list[str], misshapen: list[str]) -> str:
+    """Guess which config fields disagree with the weights."""
+    hints = []
+    layers = {int(m.group(1)) for k in present if (m := re.match(r"layers\.(\d+)\.", k))}
+    if layers and layers != set(range(cfg.n_layers)):
+        hints.append(f"does num_hidden_layers match the checkpoint? config.json says {cfg.n_layers}, "
+                     f"the weights hold {len(layers)} layers (indices {min(layers)}..{max(layers)})")
+    if "lm_head.weight" in differing:
+        hints.append(f"is tie_word_embeddings ({str(cfg.tie_embeddings).lower()}) right? The weights' "
+                     f"lm_head.weight disagrees with it (absent, or different from embed_tokens.weight)")
+    if any(k.endswith(".bias") for k in differing):
+        hints.append(f"does attention_bias ({str(cfg.attention_bias).lower()}) match the checkpoint?")
+    if misshapen:
+        fields = sorted({f for k in misshapen for f in re.findall(r"[a-z_]+", _shape_fields(k))})
+        hints.append(f"do {', '.join(fields)} in config.json match the shapes of the weights?")
+    return "; ".join(hints) or "is config.json from the same model as the weights?"
+
+
+def _stored_tensors_equal(path: str, a: tuple, b: tuple) -> bool:
+    if a[2] != b[2]:
+        return False
+    (_, ta), = _read_safetensors(os.path.join(path, a[0]), [a[1]])
+    (_, tb), = _read_safetensors(os.path.join(path, b[0]), [b[1]])
+    return torch.equal(ta, tb.to(ta.dtype))
+
+
+# ----------------------------------------------------------------------------
+# Lecture-scale models without downloads: "random:<preset>" (vLLM's dummy load format)
+# ----------------------------------------------------------------------------
+#
+# How fast a decode step runs depends on the shapes and the bytes, not on the
+# values: an 8B model with random weights reads exactly the bytes a trained
+# one reads. So bench.py can show the lecture at 1B-70B scale with nothing to
+# download. The outputs are meaningless text: whatever prints a figure made
+# with these weights must say the weights are random.
+#
+# Each preset is the model's published Hugging Face config.json (the fields
+# this model reads), so config_fields validates it like any checkpoint.
+
+def _llama3(hidden, ffn, layers, heads, head_dim, tied, rope_factor):
+    """Llama 3.x: 128256-token vocabulary, 8 KV heads, RoPE theta 500000 with
+    Llama 3.1's long-context scaling from an 8k original context to 128k."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": head_dim,
+            "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": rope_factor, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "tie_word_embeddings": tied, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"}
+
+
+PRESETS = {
+    # the default model's shapes (HuggingFaceTB/SmolLM2-135M-Instruct): 134,515,008 parameters
+    "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                     "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                     "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+                     "rope_theta": 100000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+                     "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+    # meta-llama/Llama-3.2-1B: 1,235,814,400 parameters (embeddings tied, counted once)
+    "llama-3.2-1b": _llama3(hidden=2048, ffn=8192, layers=16, heads=32, head_dim=64, tied=True, rope_factor=32.0),
+    # meta-llama/Llama-3.2-3B: 3,212,749,824
+    "llama-3.2-3b": _llama3(hidden=3072, ffn=8192, layers=28, heads=24, head_dim=128, tied=True, rope_factor=32.0),
+    # meta-llama/Llama-3.1-8B: 8,030,261,248
+    "llama-3.1-8b": _llama3(hidden=4096, ffn=14336, layers=32, heads=32, head_dim=128, tied=False, rope_factor=8.0),
+    # meta-llama/Llama-3.1-70B: 70,553,706,496 (141 GB in bf16: the meta device, or tensor parallelism)
+    "llama-3.1-70b": _llama3(hidden=8192, ffn=28672, layers=80, heads=64, head_dim=128, tied=False, rope_factor=8.0),
+    # NOT a published model: SmolLM2's vocabulary (and tokenizer) on a 2-layer,
+    # 64-wide body. Its forward pass is nearly free, so an engine step on it is
+    # the engine's own work (bench.py's overhead experiment).
+    "smollm2-tiny": {**_llama3(hidden=64, ffn=128, layers=2, heads=4, head_dim=16, tied=True, rope_factor=8.0),
+                     "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 8192,
+                     "rope_theta": 100000.0, "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2},
+    # NOT a published model: Llama 3's vocabulary and RoPE on a 2-layer, 64-wide
+    # body, for fast CPU tests of the engine with ids beyond the tokenizer's vocabulary.
+    "tiny": {**_llama3(hidden=64, ffn=128, layers=2, heads=4, head_dim=16, tied=False, rope_factor=8.0),
+             "num_key_value_heads": 2, "max_position_embeddings": 4096},
+}
+
+
+def parse_random_path(path: str) -> tuple[str, int]:
+    """"random:<preset>" or "random:<preset>:seed=<N>" -> (preset, seed). The default seed is 0."""
+    rest = os.fspath(path).removeprefix(RANDOM_PREFIX)
+    name, _, option = rest.partition(":")
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} in {path!r}; presets: {', '.join(PRESETS)}")
+    if not option:
+        return name, 0
+    m = re.fullmatch(r"seed=(\d{1,19})", option)
+    if m is None or int(m.group(1)) >= 2**63:
+        raise ValueError(f"bad option {option!r} in {path!r}: expected random:{name}:seed=N "
+                         f"with N an integer in [0, 2^63)")
+    return name, int(m.group(1))
+
+
+
+def random_tensors(expected: dict, seed: int = 0, device="cpu", dtype=torch.float32) -> dict:
+    """{name: shape} -> {name: seeded random tensor}, made directly on `device` in `dtype`.
+
+    The weights are not trained: generated text is gibberish, while memory,
+    bytes per step and timings are those of the real model. On device="meta"
+    nothing is allocated (sizes and parameter counts only).
+
+    Scale: every matrix W [out, in] ~ N(0, 1/in) (the embedding, [V, D],
+    with D as its "in": it is also the tied LM head). Then each linear layer
+    keeps the size of its input: RMSNorm hands attention and the MLP
+    unit-RMS vectors, q.k/sqrt(d) has unit variance (a softmax neither flat
+    nor one-hot), and each block adds O(1) to the residual stream, which
+    grows like sqrt(2L): about 13 after 80 layers, finite in bf16 and fp16.
+    The final RMSNorm and the LM head give logits of std ~1 across the
+    vocabulary. Norm weights are 1 and biases 0, as a fresh Llama has them.
+
+    Each tensor has its own generator seed, from (seed, its name): values do
+    not depend on creation order, and a tensor-parallel worker can make one
+    shard's tensors alone. Values are reproducible for a given (seed, device
+    type, dtype); CPU and CUDA random streams differ.
+    """
+    gen = None if str(device) == "meta" else torch.Generator(device=device)
+    tensors = {}
+    for name, shape in expected.items():
+        t = torch.empty(shape, device=device, dtype=dtype)   # no float32 copy, no CPU detour
+        if gen is None:
+            pass                                             # meta: shapes only
+        elif name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif name.endswith(".bias"):
+            t.zero_()
+        else:
+            gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            t.normal_(0.0, shape[-1] ** -0.5, generator=gen)
+        tensors[name] = t
+    return tensors
+
+
+def tokenizer_path(path: str | None) -> str:
+    """Where the tokenizer of a model path lives: a checkpoint directory holds
+    its own; "random:" presets (and None, the default model) use the default
+    model's tokenizer (SmolLM2's 49152 tokens; ids a bigger preset samples
+    beyond it decode to a placeholder, see tokenizer.py)."""
+    if path is None or os.fspath(path).startswith(RANDOM_PREFIX):
+        return default_model_path()
+    return os.fspath(path)
+
+
+
+# ----------------------------------------------------------------------------
+# The tokenizer files of a checkpoint (for tokenizer.Tokenizer.from_pretrained)
+# ----------------------------------------------------------------------------
+
+def read_tokenizer_files(path, gpt2_pattern: str, digits_then_gpt2_pattern: str) -> dict:
+    """tokenizer.json (+ tokenizer_config.json) of a checkpoint directory -> the
+    keyword arguments of tokenizer.Tokenizer: vocab, specials, pattern,
+    eos_token, bos_token, chat_template.
+
+    Only byte-level BPE is accepted (anything else is refused by name when
+    loaded, not when it first encodes wrongly). The pre-tokenizer is read
+    from the file, not assumed; tokenizer.py hands in the two regexes it
+    knows (see _pattern_from).
+    """
+    tj = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tj):
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    with open(tj, encoding="utf-8") as f:
+        data = json.load(f)
+    model = data.get("model", {})
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise ValueError(f"{tj}: only byte-level BPE tokenizers are supported, got {model.get('type')!r}")
+    cfg = {}
+    cfg_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(cfg_file):
+        with open(cfg_file, encoding="utf-8") as f:
+            cfg = json.load(f)
+
+    def name(t):   # tokenizer_config stores a token as a string or as {"content": ...}
+        return t.get("content") if isinstance(t, dict) else t
+    return dict(vocab=model["vocab"], specials={t["content"]: t["id"] for t in data.get("added_tokens", [])},
+                pattern=_pattern_from(data.get("pre_tokenizer"), gpt2_pattern, digits_then_gpt2_pattern),
+                eos_token=name(cfg.get("eos_token")), bos_token=name(cfg.get("bos_token")),
+                chat_template=cfg.get("chat_template"))
+
+
+def _pattern_from(pre_tokenizer: dict | None, gpt2: str, digits_then_gpt2: str) -> str:
+    """Translate the Hugging Face pre-tokenizer description into one regex."""
+    steps = pre_tokenizer.get("pretokenizers", [pre_tokenizer]) if pre_tokenizer else []
+    kinds = [s["type"] for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return gpt2
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return digits_then_gpt2
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        return steps[0]["pattern"]["Regex"]   # e.g. Llama 3 ships its regex explicitly
+    raise ValueError(f"unsupported pre-tokenizer {kinds}: expected byte-level BPE")

@@ -1,0 +1,175 @@
+"""
+support/checks.py -- the checks at the engine's door, written once.
+
+What it protects: every value a user hands the engine (a SamplingParams, a
+prompt, the engine's options, a device or dtype name) is refused where it
+enters, with a message that names it, before it can reach a tensor, a hash,
+the batch or another user's request. A request that would fail later, in
+the middle of a step, would cost its batch-mates that step.
+
+Why here and not in the tour: these lines teach nothing about inference, and
+the library (scheduler.py, sampler.py) and the server (serve.py) must refuse
+exactly the same things, which they can only do if each check exists once.
+The RANGES stay with the lesson (SamplingParams.LIMITS in sampler.py); this
+file only walks them. Everything here runs while a request or an engine is
+built, never inside an engine step. Imports: the standard library and torch.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+# ----------------------------------------------------------------------------
+# Small predicates and error text
+# ----------------------------------------------------------------------------
+
+
+def is_int(x) -> bool:
+    # JSON true is a Python bool, and bool is a subclass of int: "max_tokens": true
+    # must be a type error, not 1 token.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def fits_float(x) -> bool:
+    """An int such as 10**400 compares fine but overflows once it meets a tensor."""
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+def short(value, limit: int = 80) -> str:
+    """repr of a value for an error message, cut short (a stop list or a client's field can be megabytes)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
+
+
+# ----------------------------------------------------------------------------
+# SamplingParams: its fields against its LIMITS
+# ----------------------------------------------------------------------------
+
+def check_sampling_params(p) -> None:
+    """Raise ValueError naming the first field of `p` (a SamplingParams) outside
+    its range. The bounds are read from p.LIMITS at each call, so changing them
+    changes what the library and the server accept. A single stop string
+    becomes a one-element list; tuples become lists."""
+    L = p.LIMITS
+
+    def check(ok, name, what):
+        if not ok:
+            raise ValueError(f"SamplingParams.{name} must be {what}, got {short(getattr(p, name))}")
+    check(is_int(p.max_tokens) and 1 <= p.max_tokens <= L["max_tokens"], "max_tokens",
+          f"an integer in [1, {L['max_tokens']}]")
+    check(is_num(p.temperature) and 0 <= p.temperature < math.inf and fits_float(p.temperature),
+          "temperature", "a finite number >= 0")
+    check(is_int(p.top_k) and p.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")   # clamped to the vocabulary
+    check(is_num(p.top_p) and 0 < p.top_p <= 1, "top_p", "a number in (0, 1]")
+    lo, hi = L["seed"]
+    check(p.seed is None or (is_int(p.seed) and lo <= p.seed <= hi), "seed",
+          "None or an integer in [-2**63, 2**64 - 1]")
+    if isinstance(p.stop, str):
+        p.stop = [p.stop]
+    check(isinstance(p.stop, (list, tuple)) and len(p.stop) <= L["stop"] and all(
+          isinstance(s, str) and 0 < len(s) <= L["stop_chars"] for s in p.stop), "stop",
+          f"a list of at most {L['stop']} non-empty strings of at most {L['stop_chars']} characters")
+    p.stop = list(p.stop)
+    check(isinstance(p.stop_token_ids, (list, tuple)) and len(p.stop_token_ids) <= L["stop_token_ids"]
+          and all(is_int(t) and 0 <= t < 2**63 for t in p.stop_token_ids), "stop_token_ids",
+          f"a list of at most {L['stop_token_ids']} token ids")
+    p.stop_token_ids = list(p.stop_token_ids)
+    check(isinstance(p.ignore_eos, bool), "ignore_eos", "a bool")
+    check(is_int(p.n) and 1 <= p.n <= L["n"], "n", f"an integer in [1, {L['n']}]")
+    check(p.logprobs is None or (is_int(p.logprobs) and 0 <= p.logprobs <= L["logprobs"]),
+          "logprobs", f"None or an integer in [0, {L['logprobs']}]")
+
+
+# ----------------------------------------------------------------------------
+# Requests: the prompt, its length, its seats
+# ----------------------------------------------------------------------------
+
+def prompt_token_ids(prompt, encode, vocab_size: int) -> list[int]:
+    """A prompt (a string, or token ids) as token ids, or a clear error.
+    encode(text) -> ids is the tokenizer's (the tour's), passed in."""
+    if isinstance(prompt, str):
+        ids = encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise TypeError("a prompt is a string or a list of token ids")
+    return check_token_ids(ids, vocab_size)
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> list[int]:
+    """Token ids the model can embed: in its vocabulary, and at least one."""
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def check_prompt_length(num_tokens: int, max_len: int, where: str) -> None:
+    """A prompt must leave room for at least one generated token."""
+    if num_tokens >= max_len:
+        raise ValueError(f"the prompt has {num_tokens} tokens; the model's {where} holds "
+                         f"{max_len}, which leaves no room to generate")
+
+
+def check_seats(n: int, max_num_seqs: int) -> None:
+    """The n samples of a request run side by side: more than the batch's seats could never run."""
+    if n > max_num_seqs:
+        raise ValueError(f"n={n} samples need {n} batch seats; this engine runs at most "
+                         f"max_num_seqs={max_num_seqs} sequences at once")
+
+
+# ----------------------------------------------------------------------------
+# Engine options
+# ----------------------------------------------------------------------------
+
+def check_positive_ints(**values) -> None:
+    for name, v in values.items():
+        if not is_int(v) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def resolve_device_dtype(device, dtype, quantization):
+    """"auto" and names -> (torch.device, torch.dtype)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if dtype == "auto":      # bf16 halves the bytes per step on GPU. On CPU float32, where
+        # every path is bit-exact against the dense reference (bench.py measures bf16 too:
+        # faster on the machine in the README); int8 takes bf16 activations (quantize.py)
+        dtype = torch.float32 if device.type == "cpu" and quantization is None else torch.bfloat16
+    elif isinstance(dtype, str):
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if dtype not in names:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
+        dtype = names[dtype]
+    return device, dtype
+
+
+def check_speculative(speculative, k, max_k: int, max_num_batched_tokens: int) -> None:
+    """speculative is None, "ngram" or a draft model directory; k drafts
+    per step fit in [1, max_k] and, with the token they verify, in one step's budget."""
+    if speculative is None:
+        return
+    if not is_int(k) or not 1 <= k <= max_k:
+        raise ValueError(f"num_speculative_tokens must be an integer in [1, {max_k}], got {k!r}")
+    if max_num_batched_tokens < k + 1:
+        raise ValueError(f"speculation needs max_num_batched_tokens >= num_speculative_tokens + 1 = {k + 1}")
+    if speculative != "ngram" and not (isinstance(speculative, str) and os.path.isdir(speculative)):
+        raise ValueError(f"speculative must be None, 'ngram' or a draft model directory, got {speculative!r}")
+
+
+def check_same_vocabulary(path, draft_vocab_size: int, draft_ranks, target_vocab_size: int, target_ranks) -> None:
+    """A draft model proposes token ids the target must read as the same tokens."""
+    if draft_vocab_size != target_vocab_size or draft_ranks != target_ranks:
+        raise ValueError(f"the draft model at {path} has a different vocabulary "
+                         f"({draft_vocab_size} tokens) than the target ({target_vocab_size})")

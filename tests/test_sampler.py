@@ -1,0 +1,372 @@
+"""Assignment: sampler.py -- sampling that costs what a request asks for.
+
+To pass, implement:
+  * uniform(key, position, stream): counter-based noise, the
+    (position * 3 + stream)-th output of SplitMix64 started at the key, so a
+    seeded request gets the same tokens whatever its batch and after
+    preemption;
+  * filtered_probs: temperature, then top-k, then top-p per row (against a
+    direct reference), and draw: the inverse CDF of (unnormalized) rows with
+    one uniform per row, never a zero-probability token;
+  * (given) sample_tokens puts them together: greedy rows are one argmax,
+    only sampled rows filter and draw; logprobs come from the raw logits;
+  * StopStrings: Knuth-Morris-Pratt over streamed text: feed returns the
+    first stop string completed, partial how much text must be held back;
+    the engine cuts a stop string from the text and never streams it.
+SamplingParams refuses every value outside its LIMITS, naming the field.
+"""
+import pytest
+import torch
+
+from sampler import (ACCEPT, DRAW, SampleRequest, SamplingParams, StopStrings, draw, filtered_probs, sample_key,
+                     sample_tokens, uniform)
+from scheduler import LLM
+
+
+def assert_no_leak(llm):
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks leaked"
+    bm.check_invariants()
+    assert not llm.scheduler.running and not llm.scheduler.waiting and not llm.requests
+
+
+# ------------------------------------------------------------- sampling params
+
+@pytest.mark.parametrize("field,value", [("max_tokens", -1), ("max_tokens", 0), ("temperature", -0.1),
+                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("n", 0),
+                                         ("seed", "x"), ("stop", [""]), ("logprobs", 100),
+                                         ("max_tokens", 2.5), ("temperature", float("nan")),
+                                         ("temperature", 10**400), ("seed", 2**64), ("seed", -2**63 - 1),
+                                         ("stop", ["z" * 1025]), ("stop", ["a"] * 17), ("n", 129)])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+# ----------------------------------------------------------------- the noise
+
+def splitmix64(state: int):
+    """SplitMix64 written out (Steele, Lea and Flood 2014): the reference
+    generator whose (position * 3 + stream)-th output `uniform` must be."""
+    mask = (1 << 64) - 1
+    while True:
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = state
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & mask
+        yield (z ^ (z >> 31)) >> 11       # the top 53 bits: a double in [0, 1) times 2^53
+
+
+@pytest.mark.assignment("sampler")
+def test_noise_is_the_splitmix64_stream_of_its_key():
+    for key in (0, 12345, sample_key(7, 3), 2**64 - 1):
+        gen = splitmix64(key)
+        ref = [next(gen) * 2.0 ** -53 for _ in range(3 * 40)]
+        got = [uniform(key, p, s) for p in range(40) for s in (DRAW, ACCEPT, 2)]
+        assert got == ref, f"key {key}: uniform(key, position, stream) must be output position * 3 + stream"
+
+
+@pytest.mark.assignment("sampler")
+def test_noise_is_a_function_of_key_position_and_stream():
+    assert uniform(5, 3) == uniform(5, 3), "counter-based: the same (key, position) gives the same noise"
+    us = [uniform(sample_key(7, 0), i) for i in range(20000)]
+    assert all(0 <= u < 1 for u in us) and abs(sum(us) / len(us) - 0.5) < 0.01
+    assert len({uniform(sample_key(s, i), 0) for s in range(50) for i in range(4)}) == 200, \
+        "seeds and sample indices must give different noise"
+    assert uniform(9, 0, DRAW) != uniform(9, 0, ACCEPT)
+    assert sample_key(2**64 - 1, 0) != sample_key(0, 0) and 0 <= sample_key(-2**63, 5) < 2**64
+
+# ---------------------------------------------------- filtering and the draw
+
+def reference_probs(logits, temperature, top_k, top_p):
+    """softmax(logits / T), then top-k, then top-p on the renormalized rest,
+    written out the obvious way (one row, Python sorting)."""
+    p = (logits / temperature).softmax(-1)
+    order = p.argsort(descending=True).tolist()
+    keep = order[:top_k] if top_k else order
+    mass = p[keep] / p[keep].sum()
+    n_keep, total = 0, 0.0
+    while total < top_p and n_keep < len(keep):       # smallest prefix with mass >= top_p
+        total += float(mass[n_keep])
+        n_keep += 1
+    ref = torch.zeros_like(p)
+    ref[keep[:n_keep]] = p[keep[:n_keep]]
+    return ref / ref.sum()
+
+
+@pytest.mark.assignment("sampler")
+def test_filtered_probs_against_a_direct_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50) * 2
+    rows = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.6), (1.0, 49, 0.3)]
+    probs = filtered_probs(logits.clone(), torch.tensor([r[0] for r in rows]), [r[1] for r in rows],
+                           [r[2] for r in rows])
+    for i, (t, k, p) in enumerate(rows):
+        ref = reference_probs(logits[i], t, k, p)
+        assert torch.allclose(probs[i], ref, atol=1e-6), f"row {i} (T={t}, top_k={k}, top_p={p}) differs"
+        assert (probs[i] > 0).sum() == (ref > 0).sum(), f"row {i}: wrong number of tokens kept"
+
+
+@pytest.mark.assignment("sampler")
+def test_draw_is_the_inverse_cdf_of_unnormalized_rows():
+    """draw(probs, u): the first token whose cumulative mass exceeds u * total,
+    worked out by hand on unnormalized rows (the residuals of speculative
+    decoding are not normalized); a zero-probability token is never drawn,
+    not even at u = 0 or right at a boundary."""
+    probs = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0],        # cdf 0, 2, 2, 8, 8
+                          [0.5, 0.0, 0.25, 0.0, 0.25]])     # cdf .5, .5, .75, .75, 1
+    cases = [(0.0, 1, 0), (0.2499, 1, 0), (0.25, 3, 0.5), (0.5, 3, 0.6), (0.9999, 3, 0.9999)]
+    for u0, tok0, u1 in cases:
+        got = draw(probs, torch.tensor([u0, u1], dtype=torch.float64)).tolist()
+        want1 = 0 if u1 < 0.5 else 2 if u1 < 0.75 else 4
+        assert got == [tok0, want1], f"u = {u0}, {u1}: drew {got}, the inverse CDF gives {[tok0, want1]}"
+
+# ---------------------------------------- sample_tokens: the step's one call
+
+def ask(row, params, key=0, drafts=(), position=0):
+    return SampleRequest(row, list(drafts), params, key, position)
+
+
+@pytest.mark.assignment("sampler")
+def test_greedy_rows_are_the_argmax_and_skip_filtering(monkeypatch):
+    torch.manual_seed(1)
+    logits = torch.randn(16, 1000)
+    calls = []
+    monkeypatch.setattr("sampler.filtered_probs", lambda *a: calls.append(a) or filtered_probs(*a))
+    out = sample_tokens(logits, [ask(i, SamplingParams()) for i in range(16)])
+    assert [t for t, _, _ in out] == [[int(x)] for x in logits.argmax(-1)]
+    assert not calls, "greedy rows must not sort, filter or draw"
+    # The full path agrees: top_k=1 keeps only the argmax, whatever the noise.
+    out = sample_tokens(logits, [ask(i, SamplingParams(temperature=1.0, top_k=1), key=i) for i in range(16)])
+    assert [t for t, _, _ in out] == [[int(x)] for x in logits.argmax(-1)] and calls
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.5, 0, 0.7), (1.0, 5, 0.8)])
+@pytest.mark.assignment("sampler")
+def test_sampled_rows_follow_the_filtered_distribution(t, k, p):
+    """200k draws through sample_tokens (each its own key) against the reference."""
+    torch.manual_seed(2)
+    logits = torch.randn(1, 8) * 1.5
+    n = 200_000
+    params = SamplingParams(temperature=t, top_k=k, top_p=p)
+    toks = [x[0][0] for x in sample_tokens(logits.expand(n, -1), [ask(i, params, key=i) for i in range(n)])]
+    counts = torch.bincount(torch.tensor(toks), minlength=8).float()
+    ref = reference_probs(logits[0], t, k, p)
+    assert counts[ref == 0].sum() == 0, "a filtered-out token was drawn"
+    exp = ref[ref > 0] * n
+    stat = float(((counts[ref > 0] - exp) ** 2 / exp).sum())
+    assert stat < 26.1, f"chi-square {stat:.1f} (df <= 7, 99.9th percentile 24.3): not the filtered distribution"
+
+
+@pytest.mark.assignment("sampler")
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 40) * 3
+    out = sample_tokens(logits, [ask(0, SamplingParams(logprobs=3)),
+                                 ask(1, SamplingParams(temperature=0.5, logprobs=2, top_k=3), key=4),
+                                 ask(2, SamplingParams(temperature=2.0))])
+    ref = logits.log_softmax(-1)
+    for i in range(2):
+        (tok,), info, _ = out[i]
+        lp, alts = info[0]
+        assert lp == pytest.approx(float(ref[i, tok]), abs=1e-5), f"row {i}: logprob must ignore temperature"
+        top = ref[i].topk(3 - i)
+        assert alts == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist())), abs=1e-5)
+    assert out[2][1] is None
+
+
+@pytest.mark.needs("sampler")
+def test_non_finite_logits_are_flagged_per_row():
+    logits = torch.randn(3, 10)
+    logits[1, 4] = float("nan")
+    out = sample_tokens(logits, [ask(i, SamplingParams(temperature=float(i))) for i in range(3)])
+    assert [finite for _, _, finite in out] == [True, False, True]
+
+# --------------------------------------------- seeded sampling in the engine
+
+@pytest.fixture
+def tiny_llm(tiny_path):
+    return LLM(tiny_path, kv_cache_bytes=4 << 20)
+
+
+@pytest.mark.assignment("sampler")
+@pytest.mark.needs("engine")
+def test_seeded_sampling_ignores_the_batch(tiny_path):
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = LLM(tiny_path, kv_cache_bytes=4 << 20).generate(["a seeded request"], params)[0].token_ids
+    busy = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=3)   # split prefill, busy batch
+    others = [SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)] * 5
+    outs = busy.generate(["noise " * i for i in range(1, 6)] + ["a seeded request"], others + [params])
+    assert outs[-1].token_ids == alone
+    unseeded = busy.generate(["a seeded request"] * 2, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True))
+    assert unseeded[0].token_ids != unseeded[1].token_ids, "unseeded requests must not share randomness"
+
+
+@pytest.mark.assignment("sampler")
+@pytest.mark.needs("engine", "copy-on-write", "stop-strings")
+def test_seeded_request_repeats_in_a_mixed_batch_and_after_preemption(tiny_path):
+    """Counter-based noise: the same seeded request gives the same tokens alone,
+    among 16 mixed requests (greedy, sampled, top-k/top-p, n > 1, stop
+    strings), and when it is preempted and recomputed halfway."""
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_k=40, top_p=0.95, seed=2**64 - 1, ignore_eos=True)
+    prompt = "the seeded one"
+    alone = LLM(tiny_path, kv_cache_bytes=4 << 20).generate([prompt], params)[0].token_ids
+    mixed = [SamplingParams(max_tokens=5 + i, temperature=[0.0, 0.7, 1.3][i % 3], top_k=[0, 5, 0, 30][i % 4],
+                            top_p=[1.0, 0.8][i % 2], n=1 + (i % 5 == 0), stop=["z"] if i % 4 == 3 else [],
+                            ignore_eos=True, seed=i if i % 2 else None) for i in range(15)]
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=16)
+    outs = llm.generate([f"noise {i} " * (1 + i % 4) for i in range(15)] + [prompt], mixed + [params])
+    assert outs[-1].token_ids == alone, "a seeded request must not depend on its batch-mates"
+    # 12 blocks of 4 tokens (512 B per token) for 4 sequences of ~30 tokens: the newest (the seeded one) is preempted
+    tight = LLM(tiny_path, kv_cache_bytes=12 * 4 * 512, block_size=4)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = tight.generate(["one two three", "four five six", "seven eight", prompt], [greedy] * 3 + [params])
+    assert outs[-1].metrics.preemptions >= 1, "the pool was meant to preempt the seeded request"
+    assert outs[-1].token_ids == alone, "a preempted seeded request must repeat its tokens"
+    assert_no_leak(tight)
+
+# -------------------------------------------------------------- stop strings
+
+def within(seconds, fn, what):
+    """Run fn in a daemon thread and fail, instead of hanging the whole suite,
+    if it has not returned in time (an endless loop in student code)."""
+    import threading
+    box = {}
+
+    def run():
+        try:
+            box["ok"] = fn()
+        except BaseException as e:                  # noqa: B902  re-raised in the test's thread
+            box["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"{what} (still running after {seconds} s)")
+    if "error" in box:
+        raise box["error"]
+
+
+@pytest.mark.assignment("stop-strings")
+def test_stop_strings_against_brute_force():
+    """StopStrings fed random text in random pieces (stop strings that overlap
+    themselves and each other, over a 2-3 letter alphabet) against str.find:
+    the first stop string completed, in the piece where it completes, with
+    the end relative to that piece; before it, `partial` is the longest
+    prefix of a stop string the text ends with (what must be held back)."""
+    within(60, _brute_force_stop_strings, "StopStrings.feed never returned: an endless loop in the "
+           "failure-table fallback? (each fallback must make the match shorter)")
+
+
+def _brute_force_stop_strings():
+    import random
+    rng = random.Random(0)
+    for trial in range(400):
+        alphabet = "ab" if trial % 2 else "abc"
+        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+                      for _ in range(rng.randint(1, 3))})
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
+        matcher, seen = StopStrings(stops), ""
+        while text:
+            piece = text[:rng.randint(1, 4)]
+            text = text[len(piece):]
+            got, want = matcher.feed(piece), first_stop(stops, seen + piece)
+            if want is not None:
+                want = (want[0] - len(seen), want[1])
+            assert got == want, f"stops {stops}, text {seen!r} + piece {piece!r}: feed gave {got}, expected {want}"
+            if got is not None:
+                break                          # the engine stops at the first stop string
+            seen += piece
+            assert matcher.partial == open_match(stops, seen), \
+                f"stops {stops}, text {seen!r}: partial {matcher.partial}, expected {open_match(stops, seen)}"
+
+
+def first_stop(stops, text):
+    """Brute force: (end, length) of the earliest-ending stop string in text,
+    the longest of those ending there; None if none occurs."""
+    ends = [(text.find(s) + len(s), -len(s)) for s in stops if s in text]
+    return (min(ends)[0], -min(ends)[1]) if ends else None
+
+
+def open_match(stops, text):
+    """Brute force: the longest proper prefix of a stop string that text ends with."""
+    return max(k for s in stops for k in range(len(s)) if text.endswith(s[:k]))
+
+
+@pytest.mark.assignment("stop-strings")
+def test_stop_string_matching_equals_a_naive_search():
+    """StopStrings.feed over random text fed in random pieces, against
+    str.find: the same first stop string (the longest of those ending at the
+    same place), at the same place; `partial` equals the longest suffix of the
+    text so far that starts some stop string. Stop strings with repeated
+    prefixes (aab, abab) exercise the failure function's fallbacks."""
+    import random
+    rng = random.Random(3)
+    for trial in range(400):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        ends = [(text.find(s) + len(s), -len(s)) for s in stops if s in text]
+        want = min(ends) if ends else None                     # earliest end; then the longest
+        ss, seen, got = StopStrings(stops), 0, None
+        while seen < len(text) and got is None:
+            piece = text[seen:seen + rng.randint(1, 4)]
+            hit = ss.feed(piece)
+            if hit is None:
+                seen += len(piece)
+                prefix = text[:seen]
+                held = max([k for s in stops for k in range(1, min(len(s), len(prefix)) + 1)
+                            if prefix.endswith(s[:k])] + [0])
+                assert ss.partial == held, f"{stops} after {prefix!r}: holds back {ss.partial}, not {held}"
+            else:
+                got = (seen + hit[0], -hit[1])
+        assert got == want, f"stops {stops} in {text!r}: got {got}, want {want}"
+
+
+@pytest.mark.assignment("stop-strings")
+@pytest.mark.needs("engine")
+def test_streamed_deltas_add_up_and_never_show_a_stop_string(tiny_llm):
+    """new_text of every step concatenates to the final text; text that later
+    turns out to be a stop string is never streamed (hold-back), also when the
+    stop string spans several tokens."""
+    llm = tiny_llm
+    base = llm.generate(["stream test"], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    ids = base.token_ids
+    pieces = [llm.tokenizer.decode(ids[:i + 1]) for i in range(len(ids))]
+    i = next(i for i in range(5, len(ids)) if len(pieces[i]) - len(pieces[i - 2]) >= 3 and
+             pieces[i - 2] == llm.tokenizer.decode(ids[:i - 1]))
+    stop = pieces[i][len(pieces[i - 2]) - 1:len(pieces[i]) - 1]     # spans the last two tokens before i + 1
+    llm.add_request("stream test", SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))
+    streamed, final = "", None
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            streamed += o.outputs[0].new_text
+            assert stop not in streamed, "a stop string must never reach the stream"
+            final = o
+    assert final.finish_reason == "stop" and streamed == final.text == base.text[:base.text.index(stop)]
+
+
+@pytest.mark.assignment("stop-strings")
+@pytest.mark.needs("engine")
+def test_stop_conditions(tiny_llm):
+    llm = tiny_llm
+    base = llm.generate(["stop test"], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 30
+    # a stop token id ends generation right after it appears
+    target = base.token_ids[5]
+    o = llm.generate(["stop test"], SamplingParams(max_tokens=30, stop_token_ids=[target]))[0]
+    assert o.finish_reason == "stop" and o.token_ids == base.token_ids[:base.token_ids.index(target) + 1]
+    # a stop string is cut from the text
+    text = base.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    o = llm.generate(["stop test"], SamplingParams(max_tokens=30, stop=[stop], ignore_eos=True))[0]
+    assert o.finish_reason == "stop" and o.text == text[:text.index(stop)]
+    # EOS stops unless ignore_eos; the tiny model rarely says EOS, so make it the stop point
+    eos = llm.tokenizer.eos_token_id
+    llm.tokenizer.eos_token_id = target
+    try:
+        o = llm.generate(["stop test"], SamplingParams(max_tokens=30))[0]
+        assert o.finish_reason == "stop" and o.token_ids[-1] == target
+        o = llm.generate(["stop test"], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+        assert o.token_ids == base.token_ids
+    finally:
+        llm.tokenizer.eos_token_id = eos
+    assert_no_leak(llm)
