@@ -736,16 +736,16 @@ def test_a_request_the_engine_fails_alone_gets_an_error_and_others_go_on(server,
     """The engine finishes one request with finish_reason "error" (here: its
     text cannot be processed); its client gets an error, a stream beside it
     completes with exactly the offline answer."""
-    import scheduler
+    import sequence
     llm = server.engine.llm
     poison = llm.tokenizer.encode("poison pill")
-    add_text = scheduler.Sequence.add_text
+    add_text = sequence.Sequence.add_text
 
     def failing(self, delta):
         if self.request.prompt_ids == poison:
             raise UnicodeError("this text cannot be processed")
         return add_text(self, delta)
-    monkeypatch.setattr(scheduler.Sequence, "add_text", failing)
+    monkeypatch.setattr(sequence.Sequence, "add_text", failing)
     good = {"prompt": "The harbor town", "max_tokens": 24, "temperature": 0, "stream": True}
     sock, first = start_stream(server, good)
     status, out = request(server, "POST", "/v1/completions", {"prompt": "poison pill", "max_tokens": 8})

@@ -1,0 +1,215 @@
+"""
+sequence.py -- a request's life: what the engine tracks for each prompt.
+
+The lesson: the engine does not batch requests, it batches SEQUENCES, and a
+sequence is little more than a growing list of token ids plus one number:
+
+    token_ids     = prompt + generated so far
+    num_computed  = how many of them already have K and V in the cache
+
+Each step feeds token_ids[num_computed:] -- a chunk of the prompt (prefill),
+or the one token sampled last step (decode) -- and, once the cache holds
+them all, samples the next token. Preemption (scheduler.py) just sets
+num_computed back to 0: the tokens survive, their cache is recomputed.
+
+Text goes out as it is made. Token ids become text incrementally (a
+character can span tokens: tokenizer.IncrementalDecoder), and text that
+might still turn into a stop string is held back (sampler.StopStrings), so
+a client that concatenates every step's `new_text` gets exactly the final
+text. A request with n > 1 samples is n sequences that share the prompt's
+KV blocks (copy-on-write, cache.py).
+
+Place in the data flow: LLM.add_request makes a Request and its first
+Sequence; the Scheduler moves sequences between waiting and running;
+LLM.step appends each sampled token here (part 4 of the step) and reports
+a RequestOutput per request that made progress.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from sampler import StopStrings, sample_key
+from tokenizer import IncrementalDecoder
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens served from the prefix cache
+    preemptions: int = 0
+    draft_tokens: int = 0           # speculative decoding: proposed ...
+    accepted_tokens: int = 0        # ... and accepted by the target
+    verify_steps: int = 0           # target passes that verified drafts
+
+    @property
+    def time_to_first_token(self):
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def acceptance_rate(self):
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+
+class Completion:
+    """One sample of a request, as of the step that reported it.
+
+    new_text / new_token_ids / new_logprobs: what this step added (a stream
+    sends exactly these; stop-string hold-back is already applied, so the
+    concatenation of every new_text is the final text). text / token_ids /
+    logprobs: everything so far, read lazily. A sequence's token list and
+    text pieces only ever grow, so a snapshot is just their lengths at that
+    moment: O(new tokens) per step, never the whole text rebuilt.
+    """
+
+    def __init__(self, seq: "Sequence", new_text: str, new_token_ids: list, new_logprobs):
+        self._seq, self.index, self.finish_reason = seq, seq.index, seq.finish_reason
+        self._tokens, self._pieces = len(seq.token_ids) - seq.num_prompt, len(seq.pieces)
+        self.new_text, self.new_token_ids, self.new_logprobs = new_text, new_token_ids, new_logprobs
+
+    @property
+    def text(self) -> str:
+        return "".join(self._seq.pieces[:self._pieces])
+
+    @property
+    def token_ids(self) -> list:
+        return self._seq.token_ids[self._seq.num_prompt:self._seq.num_prompt + self._tokens]
+
+    @property
+    def logprobs(self):             # per token: (logprob, {alternative id: logprob}), or None
+        lps = self._seq.logprobs
+        return None if lps is None else lps[:self._tokens]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list
+    outputs: list                   # [Completion] * n
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None        # why the request failed (finish_reason "error")
+
+    # The common case (n == 1) reads like one completion: outs[i].text
+    @property
+    def text(self):
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self):
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self):
+        return self.outputs[0].finish_reason
+
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+class Request:
+    """What a user asked for: a prompt, its params, and its n sequences."""
+
+    def __init__(self, request_id, prompt_ids, params, arrival_time, seed: int):
+        self.request_id, self.prompt_ids, self.params, self.seed = request_id, prompt_ids, params, seed
+        self.seqs: list[Sequence] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_ids))
+        self.error: str | None = None
+
+    @property
+    def finished(self):
+        return len(self.seqs) == self.params.n and all(s.status == FINISHED for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt_ids, [s.snapshot() for s in self.seqs],
+                             self.finished, self.metrics, self.error)
+
+
+class Sequence:
+    """One stream of tokens with its place in the KV cache.
+
+    token_ids = prompt + generated so far. num_computed = how many of them
+    have K/V in the cache. Each step feeds token_ids[num_computed:] (a
+    prefill chunk, or the 1 token sampled last step) and, once the cache
+    holds them all, samples the next token.
+    """
+    _ids = itertools.count()
+
+    def __init__(self, request: Request, token_ids: list, index: int, tokenizer):
+        self.seq_id = next(Sequence._ids)
+        self.request, self.params, self.index = request, request.params, index
+        self.token_ids = list(token_ids)
+        self.num_prompt = len(request.prompt_ids)
+        self.num_computed = 0
+        self.status = WAITING
+        self.key = sample_key(request.seed, index)          # its counter-based noise (sampler)
+        self.draft_tokens: list[int] = []        # proposed this step (speculative decoding)
+        self.draft_probs = None                  # their draft distributions [k, V] (None: one-hot)
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stops = StopStrings(self.params.stop) if self.params.stop else None
+        self.pieces: list[str] = []              # the text, in the pieces released so far
+        self.pending = ""                        # decoded text held back: may start a stop string
+        self.finish_reason = None
+        self.logprobs = [] if self.params.logprobs is not None else None
+        self._reported = (0, 0)                  # (tokens, pieces) already in an output
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def remaining(self) -> int:
+        """Known tokens whose K/V are not yet in the cache."""
+        return len(self.token_ids) - self.num_computed
+
+    def add_text(self, delta: str) -> bool:
+        """Stream newly decoded text through the stop strings. Releases what can
+        no longer change into self.pieces; returns True if a stop string
+        completed (the text is then cut just before it)."""
+        text = self.pending + delta
+        hit = self.stops.feed(delta) if self.stops else None
+        if hit is not None:
+            end, length = hit
+            cut, self.pending = len(self.pending) + end - length, ""
+        else:
+            cut = len(text) - (self.stops.partial if self.stops else 0)
+            self.pending = text[cut:]
+        if cut > 0:
+            self.pieces.append(text[:cut])
+        return hit is not None
+
+    def append(self, token: int, logprob, eos_token_id, max_len: int) -> str | None:
+        """Add a token, stream its text, and return why the sequence stops
+        ("stop" | "length") or None."""
+        self.token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        p = self.params
+        hit = self.add_text(self.decoder.push(token))                    # a stop string completed
+        if hit or (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif self.num_output >= p.max_tokens or len(self.token_ids) >= max_len:
+            reason = "length"
+        else:
+            return None
+        if not hit:        # the text ends here: release the held-back tail, and an unfinished character
+            tail, self.pending = self.pending + self.decoder.flush(), ""
+            if tail:
+                self.pieces.append(tail)
+        return reason
+
+    def snapshot(self) -> Completion:
+        """This sequence as a Completion, with what changed since the last one."""
+        t0, p0 = self._reported
+        n, p = self.num_output, len(self.pieces)
+        self._reported = (n, p)
+        new_lp = None if self.logprobs is None else self.logprobs[t0:n]
+        return Completion(self, "".join(self.pieces[p0:p]), self.token_ids[self.num_prompt + t0:], new_lp)
+
+    def __repr__(self):
+        return f"Sequence({self.seq_id}, {self.status}, {self.num_computed}/{len(self.token_ids)})"
