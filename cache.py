@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from support.checks import check_positive_ints
 
@@ -94,7 +95,7 @@ class KVCache:
     [num_blocks, block_size, ...] tensor as [num_blocks * block_size, ...]
     makes the slot a plain row index. quantize.make_kv_cache makes one.
     """
-    storage_dtype = None       # K, V stored in the model's dtype (Int8KVCache: int8, blocks() in dtype)
+    storage_dtype = None       # K, V kept in the model's dtype (Int8KVCache: int8; blocks() returns dtype)
 
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
         if num_blocks < 1:
@@ -206,27 +207,18 @@ class AttentionContext:
         work: (seq_id, token ids fed, first position, ...) per sequence; the slots
         come from the block tables (flatten_step): later fields are not read."""
         apply_pending_copies(cache, block_manager)
-        tables = table_array([block_manager.tables[w[0]] for w in work])
-        ids, positions, slots, query_lens, seq_lens = flatten_step(work, tables, np.arange(len(work)),
+        tables = pad_sequence([torch.tensor(block_manager.tables[w[0]]) for w in work], batch_first=True)  # [B, W]
+        ids, positions, slots, query_lens, seq_lens = flatten_step(work, tables.numpy(), np.arange(len(work)),
                                                                    block_manager.block_size)
         on_device = functools.partial(torch.as_tensor, device=device)
-        ctx = cls(cache, on_device(slots), on_device(tables), seq_lens.tolist(), query_lens.tolist(),
+        ctx = cls(cache, on_device(slots), tables.to(device), seq_lens.tolist(), query_lens.tolist(),
                   torch.tensor(logits_rows, device=device, dtype=torch.long))
         return on_device(ids), on_device(positions), ctx
 
 
 # ----------------------------------------------------------------------------
-# One step's work as one flat batch (AttentionContext.build, kernels.StepInputs)
+# One step's work as one flat batch (for AttentionContext.build and kernels.StepInputs)
 # ----------------------------------------------------------------------------
-
-def table_array(tables: list[list[int]], fill: int = 0) -> np.ndarray:
-    """Block tables as the rows of one int64 array [B, W], padded with `fill`:
-    any valid block id, since attention masks the keys past a sequence's length."""
-    out = np.full((len(tables), max(map(len, tables), default=1)), fill, dtype=np.int64)
-    for row, table in zip(out, tables):
-        row[:len(table)] = table
-    return out
-
 
 def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
     """The scheduled work as the model's flat batch of N tokens (numpy int64).
@@ -268,7 +260,9 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        check_positive_ints(block_size=block_size, num_blocks=num_blocks)
+        check_positive_ints(block_size=block_size)
+        if num_blocks < 1:
+            raise ValueError("the KV cache has no blocks")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks

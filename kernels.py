@@ -46,7 +46,7 @@ import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
-from cache import flatten_step, table_array
+from cache import flatten_step
 from support.timing import choose_weight_layout  # noqa: F401 (built with the decoder: scheduler.py imports it here)
 
 # ----------------------------------------------------------------------------
@@ -443,13 +443,11 @@ class CompiledDecoder:
 
     def __call__(self, tokens, positions, slots, tables, query_lens=None, logits_rows=None):
         """One step from the flat batch (numpy or lists): tokens, positions and
-        slots [N], each sequence's block table (rows of an array, or lists),
-        query_lens [B] (None: one token each), logits_rows: rows of the flat
-        batch that need logits (None: all). Returns logits [rows, V]."""
-        tokens, positions, slots = (np.asarray(a, dtype=np.int64) for a in (tokens, positions, slots))
+        slots [N], tables [B, W] each sequence's block table (padded with any
+        valid block), query_lens [B] (None: one token each), logits_rows: rows
+        of the flat batch that need logits (None: all). Returns logits [rows, V]."""
+        tokens, positions, slots, tables = (np.asarray(a, dtype=np.int64) for a in (tokens, positions, slots, tables))
         qlens = np.ones(len(tokens), np.int64) if query_lens is None else np.asarray(query_lens, np.int64)
-        if isinstance(tables, list):
-            tables = table_array(tables, self.scratch_block)
         last = positions[np.cumsum(qlens) - 1]                            # each sequence's last position
         key = (bucket(int(qlens.max()), self.query_sizes), bucket(len(qlens), self.batch_sizes),
                bucket(int(last.max()) // self.cache.block_size + 1, self.widths))

@@ -106,6 +106,29 @@ def test_paged_attention_random_ragged_batches():
         assert torch.allclose(out, ref, atol=1e-5), f"trial {trial} {seqs}"
 
 
+@pytest.mark.needs("block-allocation", "copy-on-write")
+def test_build_flattens_a_step_into_one_batch():
+    """AttentionContext.build (cache.flatten_step): the work of several
+    sequences as one flat batch, each token's slot read from its block table
+    (slot = block * block_size + offset, the slot append_slots returns too),
+    and the copies a fork asked for made before anything is written."""
+    bm, cache = BlockManager(12, 4), KVCache(tiny_config(), 12, 4, "cpu", torch.float32)
+    for sid, n in ((0, 6), (1, 9)):
+        bm.allocate(sid, [])
+        bm.append_slots(sid, 0, n)
+    cache.k[:, bm.tables[1][2]] = 7.0
+    bm.fork(1, 2)
+    work = [(0, [5, 6], 6), (2, [8], 9), (1, [9, 10, 11], 9)]
+    slots = [slot for sid, toks, start in work for slot in bm.append_slots(sid, start, len(toks))]
+    assert bm.pending_copies, "seq 2 writes into the block it shares with seq 1: a copy is pending"
+    ids, pos, ctx = AttentionContext.build(cache, bm, work, [1, 2, 5], "cpu")
+    assert ids.tolist() == [5, 6, 8, 9, 10, 11] and pos.tolist() == [6, 7, 9, 9, 10, 11]
+    assert ctx.slot_mapping.tolist() == slots, "slot = block_id * block_size + offset"
+    assert ctx.seq_lens == [8, 10, 12] and ctx.query_lens == [2, 1, 3] and ctx.logits_indices.tolist() == [1, 2, 5]
+    assert ctx.block_tables.tolist() == [bm.tables[0] + [0], bm.tables[2], bm.tables[1]], "padded with block 0"
+    assert not bm.pending_copies and (cache.k[:, bm.tables[2][2]] == 7.0).all(), "the copy ran before the step"
+
+
 # ------------------------------------------- the real model through the cache
 
 def run_chunks(model, chunks, ids, block_size=16):

@@ -27,12 +27,13 @@ inductor cache in the test's temporary folder.
 """
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_config, tiny_model
 
 from cache import KVCache, paged_attention
-from cache import AttentionContext, BlockManager, table_array
+from cache import AttentionContext, BlockManager
 from kernels import (CompiledDecoder, QueryGroup, StepContext, StepInputs, batch_buckets, batched_paged_attention,
                      bucket, choose_weight_layout, paged_attention_in_place, size_oblivious, width_buckets)
 from quantize import Int8KVCache
@@ -245,7 +246,7 @@ def test_compiled_step_pads_into_scratch_and_compiles_once():
         tokens = [5 + i for i in range(len(slots))]
         before_k, before_v = cache.k.clone(), cache.v.clone()
         with torch.inference_mode():                                # as the engine runs it
-            logits = dec(tokens, positions, slots, tables, query_lens)
+            logits = dec(tokens, positions, slots, padded(tables), query_lens)
         assert logits.shape == (len(slots), model.config.vocab_size)
         changed = (cache.k != before_k).any(-1).any(-1).any(0).flatten()    # per slot
         changed_slots = set(torch.nonzero(changed[:8 * 4]).flatten().tolist())
@@ -262,11 +263,18 @@ def test_compiled_step_pads_into_scratch_and_compiles_once():
     assert counters["stats"]["unique_graphs"] - graphs == 2, "one graph for the block, one for the LM head"
 
 
+def padded(tables, fill=8):
+    """Block tables (lists) as the rows of one array, padded with a valid block
+    (8: the compiled tests' scratch block); attention masks what is past a sequence."""
+    width = max(map(len, tables))
+    return np.array([t + [fill] * (width - len(t)) for t in tables])
+
+
 def decode_step(model, cache, tokens, positions, slots, tables):
     """One eager decode step (one new token per sequence) from Python lists,
     through kernels.StepContext (the engine builds its inputs with StepInputs)."""
     as_tensor = lambda x: torch.as_tensor(x, dtype=torch.long)   # noqa: E731
-    group = QueryGroup(None, as_tensor(table_array(tables)), as_tensor(positions) + 1, None)
+    group = QueryGroup(None, as_tensor(padded(tables)), as_tensor(positions) + 1, None)
     return model(as_tensor(tokens), as_tensor(positions), StepContext(cache, as_tensor(slots), [group]))
 
 
@@ -324,7 +332,7 @@ def test_compiled_int8_bf16_step_matches_eager():
         truth = decode_step(exact, cache32, [5, 6], positions, slots, tables)
         eager = decode_step(model, cache, [5, 6], positions, slots, tables).float()
         dec = CompiledDecoder(model, cache, max_num_seqs=2, max_blocks_per_seq=4, scratch_block=8)
-        compiled = dec([5, 6], positions, slots, tables).float()
+        compiled = dec([5, 6], positions, slots, padded(tables)).float()
     err = lambda x: ((x - truth).norm() / truth.norm()).item()   # noqa: E731
     assert err(eager) < 0.03, f"eager bf16 int8 step is {err(eager):.4f} from float32"
     assert err(compiled) < 1.5 * err(eager), f"compiled {err(compiled):.4f} vs eager {err(eager):.4f} from float32"
@@ -359,7 +367,7 @@ def test_compiled_int8_float32_step_is_float32_arithmetic(monkeypatch):
     slots = [t[p // 4] * 4 + p % 4 for t, p in zip(tables, positions)]
     with torch.inference_mode():
         dec = CompiledDecoder(model, cache, max_num_seqs=2, max_blocks_per_seq=4, scratch_block=8)
-        compiled = dec([5, 6], positions, slots, tables)
+        compiled = dec([5, 6], positions, slots, padded(tables))
         cache.k.copy_(before_k), cache.v.copy_(before_v)
         ctx = AttentionContext(cache, torch.tensor(slots), torch.tensor([t + [8] * (3 - len(t)) for t in tables]),
                                [p + 1 for p in positions], [1, 1])
