@@ -67,13 +67,15 @@ import torch
 import torch.nn.functional as F
 
 from cache import AttentionContext, BlockManager, kv_cache_bytes
-from model import PRESETS, RANDOM_PREFIX, default_model_path, generate, load_model, parse_random_path
+from model import default_model_path, generate, load_model
 from parallel import (NVLINK_H100_SXM, PCIE_GEN5_X16, TensorParallelError, TensorParallelGroup,
                       check_tensor_parallel, tensor_parallel_cost)
 from kernels import batched_paged_attention, dynamic, layer_cache, paged_attention_in_place, size_oblivious
 from quantize import decode_weight_bytes
-from scheduler import LLM, SamplingParams, resolve_device_dtype
+from scheduler import LLM, SamplingParams
 from serve import make_server
+from support.checkpoint import PRESETS, RANDOM_PREFIX, parse_random_path
+from support.checks import resolve_device_dtype
 from support.timing import device_sync, median_seconds, timed
 
 # ----------------------------------------------------------------------------

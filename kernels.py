@@ -47,7 +47,6 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from cache import flatten_step
-from support.timing import choose_weight_layout  # noqa: F401 (built with the decoder: scheduler.py imports it here)
 
 # ----------------------------------------------------------------------------
 # Batched paged attention: a group of sequences at once

@@ -40,9 +40,6 @@ import torch.nn.functional as F
 
 from support import checkpoint
 from support.default_model import default_model_path  # noqa: F401  (public: model.default_model_path)
-# re-exported for bench.py, scheduler.py and tests/fixtures, which import them from here
-from support.checkpoint import PRESETS, RANDOM_PREFIX, parse_random_path, tokenizer_path  # noqa: F401
-from support.default_model import GGUF_FILE, _find_gguf  # noqa: F401
 
 
 @dataclass

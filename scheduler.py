@@ -54,16 +54,17 @@ from dataclasses import dataclass
 import torch
 
 from cache import BlockManager, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
-from kernels import CompiledDecoder, StepInputs, choose_weight_layout
-from model import default_model_path, load_model, tokenizer_path
+from kernels import CompiledDecoder, StepInputs
+from model import default_model_path, load_model
 from parallel import TensorParallelError, TensorParallelGroup
 from quantize import int8_kv_cache_bytes, make_kv_cache, quantize_model
 from sampler import SampleRequest, SamplingParams, batch_then_each, draft_sampler, sample_isolated
-from sampler import draw  # noqa: F401  (re-exported: tests/test_speculative.py imports it from here)
 from sequence import FINISHED, RUNNING, WAITING, Request, RequestOutput, Sequence
-from speculative import MAX_SPECULATIVE_TOKENS, ModelDrafter, NgramDrafter
+from speculative import make_drafter
 from support import checks
-from support.checks import resolve_device_dtype  # bench.py imports it from here
+from support.checkpoint import tokenizer_path
+from support.checks import resolve_device_dtype
+from support.timing import choose_weight_layout
 from tokenizer import Tokenizer
 
 # ----------------------------------------------------------------------------
@@ -608,17 +609,3 @@ def make_compiled_decoder(model, cache, max_num_seqs: int, max_len: int, block_s
     print(f"nanoinfer: compiled steps of {decoder.query_sizes} tokens per sequence for batch buckets "
           f"{decoder.batch_sizes} and table widths {decoder.widths} in {seconds:.1f} s (weight layout: {layout})")
     return decoder, seconds, layout
-
-
-def make_drafter(speculative, k, max_num_batched_tokens, target, tokenizer, pool_blocks, block_size,
-                 device, dtype, make_inputs):
-    """None | "ngram" | a draft model directory -> a drafter (speculative.py)."""
-    checks.check_speculative(speculative, k, MAX_SPECULATIVE_TOKENS, max_num_batched_tokens)
-    if speculative is None:
-        return None
-    if speculative == "ngram":                  # prompt lookup: no model, drafts from the text itself
-        return NgramDrafter()
-    draft, cfg = load_model(speculative, device=device, dtype=dtype)   # a smaller model, same tokenizer
-    checks.check_same_vocabulary(speculative, cfg.vocab_size, Tokenizer.from_pretrained(speculative).ranks,
-                                 target.vocab_size, tokenizer.ranks)
-    return ModelDrafter(draft, pool_blocks, block_size, device, dtype, make_inputs)

@@ -24,7 +24,8 @@ tokens per decoding sequence, runs the target once over 1 + k query tokens
 each, verifies all sequences' k+1 rows at once (rejection_sample_batched, via
 sampler.py), appends the accepted tokens and truncates the KV cache past
 them. This file knows nothing of the scheduler: only token lists, tensors,
-and the paged cache of a draft model.
+and the paged cache of a draft model (scheduler.Speculation is the engine's
+side: drafts before a step, bookkeeping after it).
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ import numpy as np
 import torch
 
 from cache import BlockManager, KVCache
+from model import load_model
+from support import checks
+from tokenizer import Tokenizer
 
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -203,3 +207,21 @@ class ModelDrafter:
         self.computed.pop(seq_id, None)
         if seq_id in self.bm.tables:
             self.bm.free(seq_id)
+
+
+# ----------------------------------------------------------------------------
+# Building a drafter for the engine
+# ----------------------------------------------------------------------------
+
+def make_drafter(speculative, k, max_num_batched_tokens, target, tokenizer, pool_blocks, block_size,
+                 device, dtype, make_inputs):
+    """None | "ngram" | a draft model directory -> a drafter (speculative.py)."""
+    checks.check_speculative(speculative, k, MAX_SPECULATIVE_TOKENS, max_num_batched_tokens)
+    if speculative is None:
+        return None
+    if speculative == "ngram":                  # prompt lookup: no model, drafts from the text itself
+        return NgramDrafter()
+    draft, cfg = load_model(speculative, device=device, dtype=dtype)   # a smaller model, same tokenizer
+    checks.check_same_vocabulary(speculative, cfg.vocab_size, Tokenizer.from_pretrained(speculative).ranks,
+                                 target.vocab_size, tokenizer.ranks)
+    return ModelDrafter(draft, pool_blocks, block_size, device, dtype, make_inputs)

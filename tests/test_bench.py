@@ -111,7 +111,8 @@ def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
     shapes whose heads, KV heads, FFN and vocabulary all differ (so each term
     is seen), at several context lengths."""
     from conftest import tiny_config
-    from model import PRESETS, ModelConfig
+    from model import ModelConfig
+    from support.checkpoint import PRESETS
     cfg = tiny_config(dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=160, vocab_size=1000) \
         if shape == "gqa" else ModelConfig.from_hf(PRESETS[shape])
     for context in (0, 1, 37, 4096):

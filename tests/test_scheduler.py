@@ -18,7 +18,8 @@ import torch
 from cache import BlockManager
 from model import generate as dense_generate
 from sampler import SampleRequest, sample_key, sample_tokens
-from scheduler import LLM, Request, SamplingParams, Scheduler, Sequence
+from scheduler import LLM, SamplingParams, Scheduler
+from sequence import Request, Sequence
 
 # Prompts of very different lengths (3 to ~220 tokens) for the real model.
 PROMPTS = [

@@ -123,7 +123,7 @@ def test_every_position_follows_the_target_distribution(k, case):
     token drawn by the engine's sampler. The token emitted at position i
     (given the pass got that far) must be distributed as q_i -- every drafted
     position, and the bonus token after k accepted drafts."""
-    from scheduler import draw
+    from sampler import draw
     g = torch.Generator().manual_seed(k * 7 + len(case))
     V, N = 5, 100_000
     target = random_dists(g, k + 1, V)
