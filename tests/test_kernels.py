@@ -35,9 +35,10 @@ from conftest import tiny_config, tiny_model
 from cache import KVCache, paged_attention
 from cache import AttentionContext, BlockManager
 from kernels import (CompiledDecoder, QueryGroup, StepContext, StepInputs, batch_buckets, batched_paged_attention,
-                     bucket, choose_weight_layout, paged_attention_in_place, size_oblivious, width_buckets)
+                     bucket, paged_attention_in_place, size_oblivious, width_buckets)
 from quantize import Int8KVCache
 from scheduler import LLM, SamplingParams
+from support.timing import choose_weight_layout
 
 
 @pytest.fixture(autouse=True)
