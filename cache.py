@@ -1,37 +1,33 @@
 """
 cache.py -- the KV cache as virtual memory (PagedAttention).
 
-The lesson: during decoding, every new token attends to the keys and values
-of all earlier tokens. Recomputing them each step costs O(T^2); caching
-them makes each step O(T) but turns the cache into THE state of inference:
+The lesson: in decoding, every new token attends to the keys and values of
+all earlier tokens. Caching them makes a step O(T) instead of O(T^2), and
+makes the cache THE state of inference:
 
     KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes_per_value
 
-For SmolLM2-135M in float32 that is 2 * 30 * 3 * 64 * 4 = 46,080 bytes, so
-a 2048-token sequence holds 94 MB of cache: the cache, not the 540 MB of
-weights, limits how many sequences fit at once.
+SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes, so a 2048-token
+sequence holds 94 MB: the cache, not the 540 MB of weights, limits how many
+sequences fit at once.
 
-Storing each sequence's cache as one contiguous [max_len, ...] buffer wastes
-memory on lengths nobody reaches (fragmentation). PagedAttention stores it
-in fixed-size blocks (pages) of `block_size` tokens, anywhere in one big
-pool, with a per-sequence block table mapping logical block i -> physical
-block id, exactly like an OS page table. That gives:
-  * no fragmentation: at most one partly filled block per sequence;
-  * prefix sharing: sequences starting with the same tokens point at the
-    same physical blocks (prefix caching), found by hashing full blocks;
-  * cheap forks: n samples of one prompt share its blocks and copy a block
-    only when one of them first writes into a shared one (copy-on-write).
+A contiguous [max_len, ...] buffer per sequence wastes memory on lengths
+nobody reaches. PagedAttention stores the cache in blocks (pages) of
+`block_size` tokens anywhere in one pool; a per-sequence block table maps
+logical block i -> physical block id, like an OS page table. Hence at most
+one partly filled block per sequence; prefix caching (sequences starting with
+the same tokens share physical blocks, found by hashing full blocks); cheap
+forks (n samples of a prompt share its blocks until one of them writes into
+a shared block: copy-on-write).
 
 Place in the data flow (one engine step, scheduler.py):
-    BlockManager.reserve       -> blocks for the new tokens in each block table
-    flatten_step               -> input_ids, positions, the slot of every new token
-    AttentionContext(...)      -> handed to Transformer.forward as `ctx`
-    model layer l: ctx.attend(l, q, k, v)
-        1. KVCache.write: k, v of the N new tokens into their slots
-        2. paged_attention: every query attends to its own sequence's
-           cached tokens at positions <= its own
+    BlockManager.reserve   -> blocks for the new tokens in each block table
+    flatten_step           -> input_ids, positions, the slot of every new token
+    model layer l: ctx.attend(l, q, k, v), ctx an AttentionContext:
+        KVCache.write the N new k, v into their slots, then paged_attention:
+        each query attends to its own sequence's cached tokens up to its position.
 This one paged attention serves prefill (with or without a cached prefix),
-chunked prefill, decode (1 query token) and draft verification (k+1).
+chunked prefill, decode (1 query token) and draft verification (k + 1).
 """
 from __future__ import annotations
 
@@ -47,10 +43,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from support.checks import check_positive_ints
 
-# ----------------------------------------------------------------------------
-# Memory accounting: the lecture's formula, used to size the pool
-# ----------------------------------------------------------------------------
-
+# --- Memory accounting: the lecture's formula, used to size the pool ----------
 
 def kv_cache_bytes(cfg, dtype, num_tokens: int = 1) -> int:
     """2 * layers * kv_heads * head_dim * bytes_per_value * tokens."""
@@ -67,16 +60,10 @@ def num_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: i
     # end assignment
 
 
-# ----------------------------------------------------------------------------
-# KVCache: the storage
-# ----------------------------------------------------------------------------
-
-# The one in-place write into the pool. It is a registered custom op rather
-# than a bare index_copy_ because torch.compile (kernels.py) functionalizes
-# in-place updates of its inputs: traced as index_copy_, every write became a
-# copy of the whole pool (measured: 1.2 s for one step's 30 layer writes into
-# a 0.74 GB pool, against 0.1 ms eager). An opaque op that declares what it
-# mutates stays in place.
+# --- KVCache: the storage ------------------------------------------------------
+# The one in-place write into the pool, a custom op that declares what it
+# mutates: torch.compile (kernels.py) functionalizes in-place updates of its
+# inputs, so a bare index_copy_ would copy the whole pool at every write.
 @torch.library.custom_op("nanoinfer::store_rows", mutates_args=("dst",))
 def store_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
     """dst viewed as rows [num_slots, *src.shape[1:]]: dst[slots[i]] = src[i]."""
@@ -136,10 +123,7 @@ class KVCache:
             t[:, dst] = t[:, src]
 
 
-# ----------------------------------------------------------------------------
-# Reference paged attention
-# ----------------------------------------------------------------------------
-
+# --- Reference paged attention -------------------------------------------------
 def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query_lens):
     """Attention of each sequence's new queries over its own paged KV.
 
@@ -216,10 +200,7 @@ class AttentionContext:
         return on_device(ids), on_device(positions), ctx
 
 
-# ----------------------------------------------------------------------------
-# One step's work as one flat batch (for AttentionContext.build and kernels.StepInputs)
-# ----------------------------------------------------------------------------
-
+# --- One step's work as one flat batch (AttentionContext.build, kernels.StepInputs)
 def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
     """The scheduled work as the model's flat batch of N tokens (numpy int64).
 
@@ -241,10 +222,7 @@ def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
     return input_ids, positions, slots, query_lens, starts + query_lens
 
 
-# ----------------------------------------------------------------------------
-# BlockManager: the page table, free list, prefix cache and copy-on-write
-# ----------------------------------------------------------------------------
-
+# --- BlockManager: the page table, free list, prefix cache and copy-on-write ---
 class BlockManager:
     """Hands out physical blocks to sequences; knows nothing of tensors.
 

@@ -46,10 +46,7 @@ from cache import KVCache, store_rows
 QMAX = 127   # symmetric: [-127, 127], so -q is always representable
 
 
-# ----------------------------------------------------------------------------
-# The quantizer
-# ----------------------------------------------------------------------------
-
+# --- The quantizer -----------------------------------------------------------
 def quantize_int8(w: torch.Tensor, dim: int = -1):
     """Symmetric absmax int8 along `dim`: w ~= q * scale.
 
@@ -167,10 +164,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
     return sum(tensors.values())
 
 
-# ----------------------------------------------------------------------------
-# The int8 KV cache
-# ----------------------------------------------------------------------------
-
+# --- The int8 KV cache -------------------------------------------------------
 def int8_kv_cache_bytes(cfg, num_tokens: int = 1) -> int:
     """2 (K, V) * layers * kv_heads * (head_dim int8 values + one float32 scale) * tokens."""
     return 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + 4) * num_tokens

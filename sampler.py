@@ -2,35 +2,26 @@
 sampler.py -- sampling that costs what a request asks for.
 
 The lesson: sampling is per request (temperature, top-k, top-p, a seed), yet
-it must run as ONE batched operation per step, and pay only for what each
-request asks for. Greedy rows (the common case) are one argmax: no sort, no
-softmax, no noise. Only the rows that ask for top-k pay for a topk, only
-those with top-p < 1 for a sort. Every sampled row then draws its token with
-ONE uniform number, by inverse CDF, in one vectorized operation for the
-whole batch.
+it runs as ONE batched operation per step and pays only for what each request
+asks for. Greedy rows (the common case) are one argmax: no sort, no softmax,
+no noise. Only rows that ask for top-k pay for a topk, only those with
+top-p < 1 for a sort. Every sampled row then draws its token with ONE uniform
+number, by inverse CDF, vectorized over the batch.
 
-Where the uniform numbers come from is the trick. A per-request
-torch.Generator would need one kernel launch per row (its state is
-sequential), and a preempted request would replay different noise. Instead
-the noise is counter-based: u = hash(request key, output position, stream),
-a pure function, like JAX's or Philox's counters. The key mixes the
-request's seed with the sample index, so a seeded request gets the same
-tokens whatever else is in the batch, and after preemption, and no two
-samples of one request share noise. Streams keep the noise of different
-uses of one position (the draw, a draft's acceptance test, the draft
-model's own draw) independent.
+The uniforms are counter-based: u = hash(request key, output position,
+stream), a pure function like JAX's or Philox's counters. (A per-request
+torch.Generator is sequential state: one launch per row, and a preempted
+request would replay different noise.) The key mixes the request's seed with
+the sample index, so a seeded request gets the same tokens whatever else is
+in the batch and after preemption, and no two samples of one request share
+noise. Streams keep the uses of one position (the draw, a draft's acceptance
+test, the draft model's own draw) independent.
 
-Place in the data flow: part 3 of LLM.step (scheduler.py). The engine hands
-sample_tokens the logits rows of every sequence that samples (its last
-position, or the k+1 positions of a draft verification, judged by
-speculative.py's rejection rule) and gets the new tokens back after the
-step's one wait for the device. Part 4 streams each sequence's text
-through its StopStrings.
-
-In reading order: SamplingParams (what a request asks for), the noise,
-filtered_probs and draw, sample_tokens (the step's one call) with its
-logprobs and fetch, sampling each request alone when the batch fails, the
-draft model's sampling, and stop strings.
+Place in the data flow: part 3 of LLM.step (scheduler.py) hands sample_tokens
+the logits rows of every sampling sequence (its last position, or the k+1
+positions of a draft verification, judged by speculative.py's rejection rule)
+and gets the new tokens back after the step's one wait for the device. Part 4
+streams each sequence's text through its StopStrings.
 """
 from __future__ import annotations
 
@@ -42,18 +33,12 @@ import torch
 from speculative import rejection_sample_batched
 from support.checks import check_sampling_params
 
-# ----------------------------------------------------------------------------
-# What a request asks for
-# ----------------------------------------------------------------------------
-
+# --- What a request asks for -------------------------------------------------
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request, and when to stop.
-
-    Every field's range is stated once, here (LIMITS); the server validates
-    requests with this same class, so the library and the API agree. The
-    checks that walk LIMITS are plumbing: support/checks.py.
-    """
+    """How to pick tokens for one request, and when to stop. Each field's range is
+    stated once, in LIMITS (walked by support/checks.py); the server validates
+    requests with this same class, so the library and the API agree."""
     max_tokens: int = 64            # new tokens at most (per sample)
     temperature: float = 0.0        # 0 = greedy (argmax); otherwise softmax(logits / T)
     top_k: int = 0                  # keep the k most likely tokens (0 = all; k >= vocab = all)
@@ -65,8 +50,8 @@ class SamplingParams:
     n: int = 1                      # parallel samples sharing the prompt (copy-on-write)
     logprobs: int | None = None     # None, or the chosen token's logprob + this many alternatives
 
-    # The bounds, in one place. Integers that reach a tensor or a hash must fit
-    # 64 bits; counts that cost memory or time per step are capped.
+    # Integers that reach a tensor or a hash must fit 64 bits; counts that cost memory
+    # or time per step are capped.
     LIMITS = {"max_tokens": 2**31 - 1, "n": 128, "logprobs": 20, "stop": 16, "stop_chars": 1024,
               "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1)}
     GREEDY_BELOW = 1e-5             # temperatures this small are greedy (logits / 1e-30 would overflow)
@@ -79,10 +64,7 @@ class SamplingParams:
         return self.temperature < self.GREEDY_BELOW
 
 
-# ----------------------------------------------------------------------------
-# Counter-based noise
-# ----------------------------------------------------------------------------
-
+# --- Counter-based noise -----------------------------------------------------
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15          # 2^64 / golden ratio: SplitMix64's increment
 DRAW, ACCEPT, DRAFT = 0, 1, 2        # noise streams
@@ -108,17 +90,13 @@ def uniform(key: int, position: int, stream: int = DRAW) -> float:
     # end assignment
 
 
-# ----------------------------------------------------------------------------
-# Filtering and the draw
-# ----------------------------------------------------------------------------
-
+# --- Filtering and the draw --------------------------------------------------
 def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
     """Probabilities [R, V] of sampled rows after temperature, top-k, then top-p.
 
-    logits [R, V] float32; temperature [R] tensor; top_k (0 = off) and top_p
-    (1 = off) as host lists, so no host-device round trip decides which rows
-    need filtering. Ties at a threshold are kept (a filter may keep a few
-    more tokens than asked when their logits are exactly equal).
+    logits [R, V] float32; temperature [R] tensor; top_k (0 = off) and top_p (1 = off)
+    as host lists, so no host-device round trip decides which rows need filtering.
+    Ties at a threshold are kept (a few more tokens than asked, if exactly equal).
     """
     # assignment: sampler
     R, V = logits.shape
@@ -146,11 +124,10 @@ def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
 
 
 def draw(probs, u):
-    """Inverse-CDF sampling, one uniform per row: probs [R, V] (unnormalized is
-    fine), u [R] -> tokens [R]: the first token whose cumulative probability
-    exceeds u * total. A token of probability 0 adds nothing to the cumulative
-    sum, so it can never be chosen. float64: tail tokens of p ~ 1e-9 keep
-    their chance next to a cumulative sum near 1."""
+    """Inverse-CDF sampling, one uniform per row: probs [R, V] (unnormalized is fine),
+    u [R] -> tokens [R]: the first token whose cumulative probability exceeds
+    u * total, so a token of probability 0 is never chosen. float64: a tail token
+    of p ~ 1e-9 keeps its chance next to a cumulative sum near 1."""
     # assignment: sampler
     cdf = probs.double().cumsum(dim=-1)                                      # [R, V]
     x = (u.double() * cdf[:, -1])[:, None]
@@ -158,10 +135,7 @@ def draw(probs, u):
     # end assignment
 
 
-# ----------------------------------------------------------------------------
-# The step's one call: every sequence's tokens, with ONE wait for the device
-# ----------------------------------------------------------------------------
-
+# --- The step's one call: every sequence's tokens, with ONE wait for the device ---
 @dataclass
 class SampleRequest:
     """What one sequence asks of this step's sampler (built on the host)."""
@@ -174,13 +148,10 @@ class SampleRequest:
 
 
 def sample_tokens(logits, reqs: list[SampleRequest]):
-    """Every sequence's new tokens: a sample, or the accepted drafts + one.
-
-    Sequence s owns logits rows row_s .. row_s + k_s (k_s drafts). Plain
-    sampling is verification with k = 0, so one code path serves both.
-    Returns, on the host after the step's single wait for the device, per
-    sequence: (tokens, raw-logit logprobs info or None, finite: bool).
-    """
+    """Every sequence's new tokens: a sample, or the accepted drafts + one. Sequence s
+    owns logits rows row_s .. row_s + k_s (k_s drafts): plain sampling is verification
+    with k = 0, one code path for both. Returns per sequence, on the host after the
+    step's single wait: (tokens, raw-logit logprobs info or None, finite: bool)."""
     S, K = len(reqs), max(len(r.drafts) for r in reqs)
     dev = logits.device
     n = np.array([len(r.drafts) for r in reqs])
@@ -260,15 +231,11 @@ def fetch(*tensors) -> list:
     return [h.tolist() for h in host]  # pragma: no cover (CUDA)
 
 
-# ----------------------------------------------------------------------------
-# Fault isolation: the whole batch at once, else each request alone
-# ----------------------------------------------------------------------------
-
+# --- Fault isolation: the whole batch at once, else each request alone -------
 def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
-    """run(asks) -> one result per ask, for the whole batch at once. If it
-    raises, no single request is known to be the cause: run each ask alone
-    and fail only those whose own run raises (their result: `skipped`).
-    asks are (sequence, ask) pairs; fail(request, message) finishes a request."""
+    """run(asks) -> one result per (sequence, ask), for the whole batch. If it raises, no
+    single request is known to be the cause: run each alone, and fail(request, message)
+    only those whose own run raises (their result: `skipped`)."""
     try:
         return run(asks) if asks else []
     except Exception:
@@ -283,9 +250,8 @@ def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
 
 
 def sample_isolated(logits, asks, fail):
-    """sample_tokens for every (sequence, SampleRequest) of the step; if the
-    batch raises, each alone: the noise is a function of the request, so the
-    tokens are the same, and only requests whose own sampling raises fail."""
+    """sample_tokens over the step's (sequence, SampleRequest) pairs, batch_then_each: the
+    noise is a function of the request, so alone it gets the same tokens as in the batch."""
     return batch_then_each(lambda part: sample_tokens(logits, [a for _, a in part]), asks, fail,
                            "sampling", ([], None, True))      # skipped by the engine: its request failed
 
@@ -307,10 +273,7 @@ def draft_sampler(asks):
     return draft_sample
 
 
-# ----------------------------------------------------------------------------
-# Stop strings, matched as the text streams
-# ----------------------------------------------------------------------------
-
+# --- Stop strings, matched as the text streams -------------------------------
 class StopStrings:
     """Knuth-Morris-Pratt over the text as it streams: O(new characters) per step.
 

@@ -40,10 +40,7 @@ from tokenizer import Tokenizer
 MAX_SPECULATIVE_TOKENS = 16
 
 
-# ----------------------------------------------------------------------------
-# The rejection rule
-# ----------------------------------------------------------------------------
-
+# --- The rejection rule ------------------------------------------------------
 def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) -> list[int]:
     """Accept a prefix of the draft and add one token of the target's own.
 
@@ -112,10 +109,7 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
     return n_acc, final
 
 
-# ----------------------------------------------------------------------------
-# Drafters: propose(requests) -> [(draft tokens, draft probs or None)]
-# ----------------------------------------------------------------------------
-
+# --- Drafters: propose(requests) -> [(draft tokens, draft probs or None)] ----
 class NgramDrafter:
     """Prompt lookup: if the last n tokens occurred earlier in this sequence,
     guess that what followed them then follows them now. No model at all;
@@ -209,10 +203,7 @@ class ModelDrafter:
             self.bm.free(seq_id)
 
 
-# ----------------------------------------------------------------------------
-# Building a drafter for the engine
-# ----------------------------------------------------------------------------
-
+# --- Building a drafter for the engine ---------------------------------------
 def make_drafter(speculative, k, max_num_batched_tokens, target, tokenizer, pool_blocks, block_size,
                  device, dtype, make_inputs):
     """None | "ngram" | a draft model directory -> a drafter (speculative.py)."""
