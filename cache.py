@@ -1,9 +1,8 @@
 """
 cache.py -- the KV cache as virtual memory (PagedAttention).
 
-The lesson: in decoding, every new token attends to the keys and values of
-all earlier tokens. Caching them makes a step O(T) instead of O(T^2), and
-makes the cache THE state of inference:
+The lesson: caching every earlier token's keys and values makes a decode step
+O(T) instead of O(T^2), and makes the cache THE state of inference:
 
     KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes_per_value
 
@@ -11,30 +10,27 @@ SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes, so a 2048-token
 sequence holds 94 MB: the cache, not the 540 MB of weights, limits how many
 sequences fit at once.
 
-A contiguous [max_len, ...] buffer per sequence wastes memory on lengths
-nobody reaches. PagedAttention stores the cache in blocks (pages) of
-`block_size` tokens anywhere in one pool; a per-sequence block table maps
-logical block i -> physical block id, like an OS page table. Hence at most
-one partly filled block per sequence; prefix caching (sequences starting with
-the same tokens share physical blocks, found by hashing full blocks); cheap
-forks (n samples of a prompt share its blocks until one of them writes into
-a shared block: copy-on-write).
+PagedAttention keeps it in blocks (pages) of `block_size` tokens anywhere in
+one pool, not in one [max_len, ...] buffer per sequence: a block table per
+sequence maps logical block i -> physical block id, like an OS page table.
+No memory waits for lengths never reached; sequences with the same leading
+tokens share blocks (prefix caching, found by hashing full blocks); n samples
+of a prompt share its blocks until one writes into a shared one (copy-on-write).
 
 Place in the data flow (one engine step, scheduler.py):
     BlockManager.reserve   -> blocks for the new tokens in each block table
     flatten_step           -> input_ids, positions, the slot of every new token
-    model layer l: ctx.attend(l, q, k, v), ctx an AttentionContext:
-        KVCache.write the N new k, v into their slots, then paged_attention:
-        each query attends to its own sequence's cached tokens up to its position.
-This one paged attention serves prefill (with or without a cached prefix),
-chunked prefill, decode (1 query token) and draft verification (k + 1).
+    model layer l: ctx.attend(l, q, k, v), ctx an AttentionContext: KVCache.write
+        the new k, v into their slots, then paged_attention over each sequence's cache
+One paged attention serves prefill (cached prefix or not), chunked prefill,
+decode (1 query) and draft verification (k + 1 queries).
 """
 from __future__ import annotations
 
 import functools
 import itertools
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,8 +39,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from support.checks import check_positive_ints
 
-# --- Memory accounting: the lecture's formula, used to size the pool ----------
 
+# --- Memory accounting: the lecture's formula, used to size the pool ----------
 def kv_cache_bytes(cfg, dtype, num_tokens: int = 1) -> int:
     """2 * layers * kv_heads * head_dim * bytes_per_value * tokens."""
     # assignment: kv-cache-bytes
@@ -70,18 +66,12 @@ def store_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> Non
     dst.view(-1, *src.shape[1:]).index_copy_(0, slots, src)
 
 
-@store_rows.register_fake
-def _(dst, slots, src):       # shapes for the compiler: the op returns nothing
-    return None
+store_rows.register_fake(lambda dst, slots, src: None)     # for the compiler: the op returns nothing
 
 
 class KVCache:
-    """K and V of every layer: [layers, num_blocks, block_size, n_kv_heads, head_dim].
-
-    A token's slot is block_id * block_size + offset; viewing a layer's
-    [num_blocks, block_size, ...] tensor as [num_blocks * block_size, ...]
-    makes the slot a plain row index. quantize.make_kv_cache makes one.
-    """
+    """K and V of every layer: [layers, num_blocks, block_size, n_kv_heads, head_dim]. A token's
+    slot, block_id * block_size + offset, is a row of a layer's pool viewed as [slots, n_kv, d]."""
     storage_dtype = None       # K, V kept in the model's dtype (Int8KVCache: int8; blocks() returns dtype)
 
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
@@ -125,15 +115,11 @@ class KVCache:
 
 # --- Reference paged attention -------------------------------------------------
 def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query_lens):
-    """Attention of each sequence's new queries over its own paged KV.
-
-    q: [N, H, d], the queries of B sequences laid end to end; sequence b owns
-    query_lens[b] of them, the LAST query_lens[b] of its seq_lens[b] tokens
-    (the cache already holds all seq_lens[b]: k, v were written first).
-    Query i of b sits at position p = seq_lens[b] - query_lens[b] + i and may
-    see cached positions 0..p. Written as a loop over sequences for clarity;
-    kernels.py has the vectorized decode version tested against this one.
-    """
+    """Each sequence's new queries attend over its own paged KV. q: [N, H, d], the B
+    sequences' queries end to end: sequence b owns the LAST query_lens[b] of its
+    seq_lens[b] tokens (all already in the cache). Query i of b sits at position
+    p = seq_lens[b] - query_lens[b] + i and sees positions 0..p. A loop over
+    sequences for clarity; kernels.py vectorizes it."""
     # assignment: paged-attention
     N, H, d = q.shape
     n_kv = cache.k.shape[-2]
@@ -163,22 +149,14 @@ def apply_pending_copies(cache: KVCache, block_manager: "BlockManager"):
 
 @dataclass
 class AttentionContext:
-    """Everything attention needs for one engine step; built by the engine.
-
-    slot_mapping[N]      where each new token's k, v go
-    block_tables[B, M]   physical block ids per sequence (padded)
-    seq_lens[B]          tokens in cache per sequence after this step
-    query_lens[B]        new tokens per sequence in this step
-    logits_indices[R]    rows of the flat batch that need logits (or None: all)
-    seq_lens and query_lens are Python lists: the reference loop reads them
-    on the host without a device sync.
-    """
+    """The `ctx` Transformer.forward gets for one step: what attention needs. The
+    lengths are Python lists: the reference loop reads them with no device sync."""
     cache: KVCache
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: list
-    query_lens: list
-    logits_indices: torch.Tensor | None = None
+    slot_mapping: torch.Tensor         # [N] where each new token's k, v go
+    block_tables: torch.Tensor         # [B, M] physical block ids per sequence (padded)
+    seq_lens: list                     # [B] tokens in cache after this step
+    query_lens: list                   # [B] new tokens in this step
+    logits_indices: torch.Tensor | None = None   # [R] rows of the flat batch that need logits (None: all)
 
     def attend(self, layer: int, q, k, v):
         self.cache.write(layer, self.slot_mapping, k, v)   # write first: a token sees itself
@@ -186,10 +164,8 @@ class AttentionContext:
 
     @classmethod
     def build(cls, cache: KVCache, block_manager: "BlockManager", work, logits_rows, device):
-        """One step's work as input_ids[N], positions[N] and a context: the simple
-        builder (tests, bench.py); the engine's fast one is kernels.StepInputs.
-        work: (seq_id, token ids fed, first position, ...) per sequence; the slots
-        come from the block tables (flatten_step): later fields are not read."""
+        """input_ids[N], positions[N] and a context for `work` (as flatten_step's): the
+        simple builder (tests, bench.py); the engine's fast one is kernels.StepInputs."""
         apply_pending_copies(cache, block_manager)
         tables = pad_sequence([torch.tensor(block_manager.tables[w[0]]) for w in work], batch_first=True)  # [B, W]
         ids, positions, slots, query_lens, seq_lens = flatten_step(work, tables.numpy(), np.arange(len(work)),
@@ -202,21 +178,17 @@ class AttentionContext:
 
 # --- One step's work as one flat batch (AttentionContext.build, kernels.StepInputs)
 def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
-    """The scheduled work as the model's flat batch of N tokens (numpy int64).
-
-    work: (seq_id, token ids fed, first position, ...) per sequence, in batch
-    order; tables[rows[b]] is work[b]'s block table. Returns input_ids[N],
-    positions[N], slot_mapping[N], query_lens[B] (tokens fed) and seq_lens[B]
-    (tokens in cache after the step). No Python loop over tokens: the
-    engine builds every step with it.
-    """
+    """The scheduled work as the model's flat batch of N tokens (numpy int64, no
+    Python loop over tokens). work: (seq_id, token ids fed, first position, ...)
+    per sequence, in batch order; tables[rows[b]] is work[b]'s block table.
+    Returns input_ids[N], positions[N], slot_mapping[N], query_lens[B] (tokens
+    fed) and seq_lens[B] (tokens in cache after the step)."""
     query_lens = np.array([len(w[1]) for w in work], dtype=np.int64)
     starts = np.array([w[2] for w in work], dtype=np.int64)
     N = int(query_lens.sum())
     first = np.cumsum(query_lens) - query_lens                        # where each sequence starts in [N]
     positions = np.repeat(starts - first, query_lens) + np.arange(N)   # start_b, start_b + 1, ...
-    token_rows = np.repeat(rows, query_lens)
-    # slot = block_id * block_size + offset, block_id from the sequence's table
+    token_rows = np.repeat(rows, query_lens)                          # each token's row of `tables`
     slots = tables[token_rows, positions // block_size] * block_size + positions % block_size
     input_ids = np.fromiter(itertools.chain.from_iterable(w[1] for w in work), dtype=np.int64, count=N)
     return input_ids, positions, slots, query_lens, starts + query_lens
@@ -224,18 +196,9 @@ def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
 
 # --- BlockManager: the page table, free list, prefix cache and copy-on-write ---
 class BlockManager:
-    """Hands out physical blocks to sequences; knows nothing of tensors.
-
-    State:
-      ref_count[b]     how many sequences use block b (0 = free)
-      free_blocks      free blocks in least-recently-used order; a free block
-                       may still hold a cached prefix until it is reused
-      tables[seq]      the sequence's block table (logical -> physical)
-      cached[key]      prefix cache: key of a full block -> physical block
-    A full block's key is hash((parent block's key, its block_size token
-    ids)): chaining makes the key name the whole prefix, not just the
-    block. Hash collisions are guarded by also comparing the stored tokens.
-    """
+    """Hands out physical blocks to sequences; knows nothing of tensors. A full block's
+    prefix-cache key is hash((parent block's key, its token ids)): chaining makes the key
+    name the whole prefix, not just the block; collisions are caught by comparing tokens."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         check_positive_ints(block_size=block_size)
@@ -243,20 +206,18 @@ class BlockManager:
             raise ValueError("the KV cache has no blocks")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_count = [0] * num_blocks
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.tables: dict[int, list[int]] = {}
+        self.ref_count = [0] * num_blocks             # sequences using each block (0: free)
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # LRU first
+        self.tables: dict[int, list[int]] = {}        # seq -> block table (logical -> physical)
         self.block_key: dict[int, tuple] = {}        # block -> (hash, parent hash, tokens)
-        self.cached: dict[int, int] = {}             # hash -> block
+        self.cached: dict[int, int] = {}             # prefix cache: hash of a full block -> block
         self.pending_copies: list[tuple[int, int]] = []   # (src, dst) copy-on-write for the engine
         self.prefix_hits = self.prefix_queries = 0   # in blocks, for the hit rate
-        # seq -> (leading blocks already registered in the prefix cache, hash of the
-        # last of them): cache_full_blocks resumes from there instead of rehashing
-        # the whole sequence every step.
+        # seq -> (leading blocks registered in the prefix cache, hash of the last):
+        # cache_full_blocks resumes there instead of rehashing the whole sequence.
         self.hashed: dict[int, tuple[int, int | None]] = {}
         # Sequences whose table changed since the engine last looked (None: nobody
-        # looks). The fast path keeps a copy of every table as an array and
-        # refreshes only these rows (kernels.StepInputs).
+        # looks): kernels.StepInputs refreshes only their rows of its table array.
         self.changed: set[int] | None = None
 
     @property
@@ -268,7 +229,6 @@ class BlockManager:
         return len(self.cached)
 
     # -- low level: take and release physical blocks ----------------------------
-
     def _take_free(self) -> int:
         """Pop the least recently used free block; forget any prefix it held."""
         if not self.free_blocks:
@@ -296,14 +256,10 @@ class BlockManager:
             self.changed.add(seq_id)
 
     # -- per sequence --------------------------------------------------------------
-
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
-        """Start a block table for a new (or re-admitted) sequence.
-
-        Reuses every leading FULL block already in the prefix cache and returns
-        how many tokens are thereby already computed. At least the last token
-        is always left to compute: the engine needs its logits to sample.
-        """
+        """Start a block table for a new (or re-admitted) sequence, reusing every
+        leading FULL block in the prefix cache; return how many tokens that computed.
+        The last token is always left to compute: the engine needs its logits."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
         table = []
@@ -330,9 +286,8 @@ class BlockManager:
         return len(table) * self.block_size
 
     def blocks_needed(self, seq_id: int, start: int, count: int) -> int:
-        """Free blocks the sequence needs to write tokens at positions
-        [start, start + count): new blocks at the end of its table, plus a
-        private copy of every shared block those positions fall in."""
+        """Free blocks needed to write positions [start, start + count): new blocks at
+        the end of the table, plus a private copy of each shared block written."""
         table, bs = self.tables[seq_id], self.block_size
         end_block = math.ceil((start + count) / bs)
         shared = sum(self.ref_count[table[i]] > 1 for i in range(start // bs, min(len(table), end_block)))
@@ -343,20 +298,14 @@ class BlockManager:
         return self.blocks_needed(seq_id, start, count) <= len(self.free_blocks)
 
     def reserve(self, seq_id: int, start: int, count: int):
-        """Make room for tokens at positions [start, start + count).
-
-        Allocates new blocks at the end of the table, and if a block the new
-        tokens land in is shared with another sequence (after a fork), gives
-        this sequence a private copy first (copy-on-write; the engine copies
-        the data via pending_copies before the forward pass).
-        """
-        table = self.tables[seq_id]
-        bs = self.block_size
+        """Make room for positions [start, start + count): new blocks at the end of
+        the table, and a private copy of each block written that is shared after a
+        fork (copy-on-write: the engine copies the data via pending_copies)."""
+        table, bs = self.tables[seq_id], self.block_size
         if not self.can_append(seq_id, start, count):
             raise RuntimeError(f"sequence {seq_id}: the KV pool has no free blocks for {count} more "
                                f"tokens ({len(self.free_blocks)} free of {self.num_blocks})")
-        first = start // bs
-        for i in range(first, min(len(table), math.ceil((start + count) / bs))):
+        for i in range(start // bs, min(len(table), math.ceil((start + count) / bs))):
             if self.ref_count[table[i]] > 1:         # shared block about to be written
                 # assignment: copy-on-write
                 new = self._take_free()
@@ -365,8 +314,8 @@ class BlockManager:
                 table[i] = new
                 self._touch(seq_id)
                 # end assignment
-            elif table[i] in self.block_key:         # a registered block rewritten in place: truncate() kept it
-                self._forget(table[i])               # while shared, then its sharers left; it names that prefix no more
+            elif table[i] in self.block_key:         # registered, rewritten in place: truncate() kept it while
+                self._forget(table[i])               # shared, then its sharers left; it names that prefix no more
         # assignment: block-allocation
         if len(table) * bs < start + count:
             self._touch(seq_id)
@@ -375,8 +324,7 @@ class BlockManager:
         # end assignment
 
     def append_slots(self, seq_id: int, start: int, count: int) -> list[int]:
-        """reserve(), then the slot of every new token: block_id * block_size + offset.
-        (The engine's fast path computes the slots from its table arrays instead.)"""
+        """reserve(), then each new token's slot (the engine's fast path: flatten_step)."""
         self.reserve(seq_id, start, count)
         table, bs = self.tables[seq_id], self.block_size
         # assignment: block-allocation
@@ -384,9 +332,8 @@ class BlockManager:
         # end assignment
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int):
-        """After a step: register the sequence's blocks that are now full and
-        computed in the prefix cache, so later sequences can reuse them.
-        Resumes after the blocks registered last time: O(new blocks) per call."""
+        """After a step: register the blocks now full and computed in the prefix cache
+        for later sequences; resumes after last time's blocks: O(new blocks)."""
         if not self.enable_prefix_caching:
             return
         # assignment: prefix-caching
@@ -394,14 +341,12 @@ class BlockManager:
         done, parent = self.hashed.get(seq_id, (0, None))
         for i in range(done, num_computed // bs):
             block = table[i]
-            key = self.block_key.get(block)
-            if key is None:
+            if block not in self.block_key:
                 tokens = tuple(token_ids[i * bs:(i + 1) * bs])
                 h = self._key(parent, tokens)
                 self.block_key[block] = (h, parent, tokens)
                 self.cached.setdefault(h, block)     # first copy wins; duplicates stay private
-                key = self.block_key[block]
-            parent = key[0]
+            parent = self.block_key[block][0]
         self.hashed[seq_id] = (max(done, num_computed // bs), parent)
         # end assignment
 
@@ -428,9 +373,8 @@ class BlockManager:
         del table[keep:]
         if num_tokens % self.block_size and table and self.ref_count[table[-1]] == 1:
             self._forget(table[-1])                 # now only partly valid: no longer a full block
-        done, parent = self.hashed.get(seq_id, (0, None))
-        if done > num_tokens // self.block_size:    # registered blocks past the cut: re-derive the chain
-            full = num_tokens // self.block_size
+        full = num_tokens // self.block_size
+        if self.hashed.get(seq_id, (0, None))[0] > full:   # registered blocks past the cut: re-derive the chain
             key = self.block_key.get(table[full - 1]) if full else None
             self.hashed[seq_id] = (full, key[0]) if key else (0, None)
         self._touch(seq_id)
@@ -459,12 +403,8 @@ class BlockManager:
 
     def check_invariants(self):
         """Consistency of the bookkeeping; tests call this after every operation."""
-        counts = [0] * self.num_blocks
-        for table in self.tables.values():
-            for b in table:
-                counts[b] += 1
-        assert counts == self.ref_count, "reference counts disagree with the block tables"
-        assert all(c >= 0 for c in self.ref_count)
+        counts = Counter(b for table in self.tables.values() for b in table)
+        assert [counts[b] for b in range(self.num_blocks)] == self.ref_count, "ref counts disagree with the tables"
         assert set(self.free_blocks) == {b for b in range(self.num_blocks) if self.ref_count[b] == 0}
         for h, b in self.cached.items():
             assert self.block_key[b][0] == h

@@ -1,35 +1,24 @@
 """
 kernels.py -- the fast path: every engine step costs its bytes and FLOPs, not its bookkeeping.
 
-The lesson: a decode step's roofline is (weight bytes + KV bytes read) /
-memory bandwidth, and an engine misses it for reasons that are not bytes:
-  * Python per sequence: a loop over the batch (in attention, in building the
-    inputs) costs microseconds per sequence per layer; at batch 256 that alone
-    exceeds the step's bytes;
-  * host-device traffic: every small tensor made from a Python list is its
-    own copy (on a GPU, its own synchronization point);
-  * kernel launches: a GPU step is hundreds of tiny kernels, ~5 us of CPU time
-    each, more than its bytes take: a CUDA graph replays the step in one launch;
-  * unfused elementwise ops (RMSNorm, RoPE, SiLU * up) re-read their tensors.
+The lesson: a decode step's roofline is (weight bytes + KV bytes read) / memory
+bandwidth. An engine misses it for reasons that are not bytes, removed here in turn:
+  * a Python loop per sequence (in attention, in building the inputs) costs
+    microseconds per sequence per layer -> batched_paged_attention + StepContext:
+    any step (prefill chunks, decodes, k+1-token verifications, mixed) as a few
+    padded, masked attentions, one per power-of-two query length;
+  * host-device traffic: one copy (on a GPU, one synchronization) per small
+    tensor -> StepInputs: the inputs built with numpy (cache.flatten_step) from
+    block-table arrays kept across steps, sent to the device in ONE copy;
+  * the gathered cache copied before attention reads it -> paged_attention_in_place,
+    fused by inductor with the gather: each cached byte read once, where it lies;
+  * kernel launches (hundreds a GPU step, ~5 us of CPU each), unfused elementwise
+    ops -> CompiledDecoder: torch.compile of ONE transformer block (all layers
+    share its graph) and the LM head; on CUDA each padded bucket is ONE CUDA graph.
 
-This file removes them in that order:
-  1. batched_paged_attention + StepContext: any step (prefill chunks, decodes,
-     k+1-token verifications, mixed) as a few padded, masked attentions, one
-     per power-of-two query length: never a loop over sequences;
-  2. StepInputs: the inputs built with numpy (cache.flatten_step) from
-     block-table arrays kept across steps, sent to the device in ONE copy;
-  3. paged_attention_in_place: attention that inductor fuses with the gather
-     through the block tables: each cached byte read once, where it lies;
-  4. CompiledDecoder: decode and verification steps through torch.compile of
-     ONE transformer block (all layers share its graph) and the LM head;
-     on CUDA each padded bucket is recorded as ONE CUDA graph. (Built with it:
-     support/timing.choose_weight_layout, a CPU BLAS's faster weight layout.)
-
-Place in the data flow (LLM.step, scheduler.py): after Scheduler.schedule,
-StepInputs turns the work into (input_ids, positions, StepContext), and
-Transformer.forward calls ctx.attend(layer, q, k, v) in every layer. With
-LLM(compile=True), steps of at most k + 1 tokens per sequence go through
-CompiledDecoder instead.
+Place in the data flow (LLM.step, scheduler.py): StepInputs turns the work into
+(input_ids, positions, StepContext), whose attend(layer, q, k, v) every layer calls;
+with LLM(compile=True), steps of <= k + 1 tokens a sequence run in CompiledDecoder.
 """
 from __future__ import annotations
 
@@ -48,25 +37,17 @@ import torch.nn.functional as F
 
 from cache import flatten_step
 
-# ----------------------------------------------------------------------------
-# Batched paged attention: a group of sequences at once
-# ----------------------------------------------------------------------------
 
+# --- Batched paged attention: a group of sequences at once ---------------------
 def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_lens=None):
-    """Each of B sequences has up to Q new queries; all attend at once.
-
-    q: [B, Q, H, d] (real queries first), block_tables: [B, W], seq_lens: [B]
-    tokens in cache including the new ones, query_lens: [B] real queries (None:
-    all Q). Query i of sequence b sits at position seq_lens[b] - query_lens[b]
-    + i and sees keys 0..position; a padded query gets the last real position
-    (a finite softmax; the caller drops it). Keys past seq_lens are masked, so
-    tables may be padded with any valid block id. Returns [B, Q, H, d].
-
-    The gather makes each sequence's paged K, V one padded [T, n_kv, d] run;
-    then it is the masked softmax(q k^T / sqrt(d)) v of cache.py's reference,
-    in PyTorch's fused attention (one kernel; enable_gqa: query head h reads
-    KV head h // G, the reference's grouping, without copying K, V per head).
-    """
+    """Each of B sequences has up to Q new queries; all attend at once. q: [B, Q, H, d]
+    (real queries first), block_tables [B, W], seq_lens [B] (tokens in cache, new ones
+    included), query_lens [B] real queries (None: all Q). Query i of b sits at position
+    seq_lens[b] - query_lens[b] + i and sees keys 0..position; a padded query gets the
+    last real position (a finite softmax, dropped by the caller). Keys past seq_lens are
+    masked: tables may be padded with any valid block id. Returns [B, Q, H, d]: cache.py's
+    masked softmax(q k^T / sqrt(d)) v in PyTorch's fused attention (enable_gqa: query
+    head h reads KV head h // G without a copy of K, V per head)."""
     # assignment: decode-attention
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                  # [B, W, bs, n_kv, d]: one gather
@@ -87,27 +68,20 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
 
 @dataclass
 class QueryGroup:
-    """Sequences whose queries are padded to one length Q (a power of two).
-
-    index[Bg, Q]     row of the flat batch each padded query comes from; padding
-                     points at row N, a dummy row past the real ones. None: the
-                     group is the whole batch in order (every sequence has Q).
-    block_tables[Bg, W], seq_lens[Bg], query_lens[Bg] as batched_paged_attention.
-    """
+    """Sequences whose queries are padded to one length Q (a power of two). index[Bg, Q]: the
+    row of the flat batch of each padded query; padding points at row N, a dummy row past the
+    real ones. None: the whole batch in order, Q queries each. The rest as batched_paged_attention."""
     index: torch.Tensor | None
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_lens: torch.Tensor | None
+    block_tables: torch.Tensor           # [Bg, W]
+    seq_lens: torch.Tensor               # [Bg]
+    query_lens: torch.Tensor | None      # [Bg]
 
 
 class StepContext:
     """The `ctx` Transformer.forward gets from the engine (cf. cache.AttentionContext).
-
-    Why groups: padding every sequence to the longest query of the step would
-    multiply a mixed step's attention work by up to the batch size (a 2000-token
-    prefill chunk next to 63 decodes); padding within a power-of-two length
-    class wastes at most 2x, and a step has only a few classes (decode: one).
-    """
+    Why groups: padding every query to the step's longest would multiply a mixed step's
+    attention work by up to the batch size (a 2000-token prefill chunk next to 63 decodes);
+    within a power-of-two length class padding wastes at most 2x (decode: one class)."""
 
     def __init__(self, cache, slot_mapping, groups: list[QueryGroup], logits_indices=None):
         self.cache, self.slot_mapping, self.groups = cache, slot_mapping, groups
@@ -131,24 +105,16 @@ class StepContext:
         return out[:N]
 
 
-# ----------------------------------------------------------------------------
-# The compiled path's attention: the paged cache read where it lies
-# ----------------------------------------------------------------------------
-
+# --- The compiled path's attention: the paged cache read where it lies --------
 def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
-    """batched_paged_attention's function, written for torch.compile.
+    """batched_paged_attention's function for torch.compile, in float32. q: [B, Q, H, d];
+    block_tables: [B, W]; q_pos: [B, Q], each query's position: it sees keys 0..q_pos.
 
-    q: [B, Q, H, d]; block_tables: [B, W]; q_pos: [B, Q], the position of
-    each query, which sees keys 0..q_pos (padded queries repeat a real one's
-    position). Returns [B, Q, H, d], computed in float32 like the reference.
-
-    Why: SDPA takes K and V as tensors, so batched_paged_attention first
-    COPIES every sequence's blocks into a padded [B, T, n_kv, d] tensor: per
-    layer per step, the batch's whole context written and read back. Here the
-    gather (cache.blocks) feeds only products and sums, which inductor fuses
-    into two reductions that load K, V through the block table themselves:
-    each cached byte is read once (int8 dequantization fused into the load).
-    Eagerly these lines materialize a [B, Q, T, H, d] product: compiler only.
+    Why: SDPA takes K, V as tensors, so batched_paged_attention first COPIES the
+    blocks into a padded [B, T, n_kv, d] tensor: the batch's whole context written
+    and read back per layer. Here the gather feeds only products and sums, which
+    inductor fuses into two reductions that load K, V through the block table (int8
+    dequantized there): each cached byte read once. Eagerly: a [B, Q, T, H, d] product.
     """
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                       # [B, W, bs, n_kv, d]: fused loads
@@ -156,39 +122,29 @@ def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
     k = k.reshape(B, 1, T, n_kv, 1, d).float()
     v = v.reshape(B, 1, T, n_kv, 1, d).float()
     qg = q.reshape(B, Q, 1, n_kv, H // n_kv, d).float()          # GQA: G query heads per KV head
-    # Scores [B, Q, T, n_kv, G]: G innermost, so the G heads that share a K
-    # row are neighbours in one kernel and the row is loaded once for them.
-    scores = (qg * k).sum(-1) / math.sqrt(d)
+    # G innermost: the G heads sharing a K row are neighbours, so the row is loaded once.
+    scores = (qg * k).sum(-1) / math.sqrt(d)                     # [B, Q, T, n_kv, G]
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
     visible = visible[..., None, None]                                               # [B, Q, T, 1, 1]
     p = scores.masked_fill(~visible, float("-inf")).softmax(dim=2)
-    # Masked keys get weight exactly 0, but 0 * NaN is NaN: a block past a
-    # sequence's end may hold anything (a padded table column, a stale block),
-    # so its values are zeroed in the same fused load rather than trusted.
+    # Masked keys weigh exactly 0, but 0 * NaN is NaN: a block past a sequence's end
+    # may hold anything (padding, a stale block), so its values are zeroed, not trusted.
     out = torch.where(visible[..., None], p[..., None] * v, 0.0).sum(2)             # [B, Q, n_kv, G, d]
     return out.reshape(B, Q, H, d).to(q.dtype)
 
 
-# ----------------------------------------------------------------------------
-# Step inputs: numpy on the host, one copy to the device
-# ----------------------------------------------------------------------------
-
+# --- Step inputs: numpy on the host, one copy to the device --------------------
 def query_rows(first, query_lens, Q: int):
-    """Each sequence's queries padded to Q: [B, Q] row of the flat batch of its
-    query i (a padded one repeats the last real row), and [B, Q] mask of the
-    real ones. first[B]: the flat row of each sequence's first query."""
+    """[B, Q] flat-batch row of each sequence's query i (padding repeats the last real row)
+    and [B, Q] mask of the real ones. first[B]: each sequence's first query's row."""
     i = np.arange(Q)[None, :]
     return first[:, None] + np.minimum(i, query_lens[:, None] - 1), i < query_lens[:, None]
 
 
 class Staging:
-    """Send many small int64 arrays to the device as ONE copy.
-
-    Each torch.tensor(list) on a GPU is its own copy, and one from pageable
-    memory makes the host wait. One pinned buffer holding all of a step's
-    arrays is one asynchronous copy; the device tensors are views of it. It is
-    reused: the engine waits for each step's tokens before building the next.
-    """
+    """Many small int64 arrays to the device as ONE asynchronous copy from one pinned buffer
+    (each torch.tensor(list) is its own copy, from pageable memory a synchronous one). The
+    buffer is reused: the engine waits for a step's tokens before building the next."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -220,14 +176,9 @@ class HostBatch:
 
 
 class StepInputs:
-    """Builds each step's model inputs from arrays kept across steps.
-
-    Every running sequence owns a row of `tables`, a numpy copy of its block
-    table. The BlockManager records which sequences' tables changed (a new
-    block every block_size tokens, a copy-on-write, a truncation, a free), and
-    only those rows are rewritten: the host work of a step is O(batch), not
-    O(total blocks). Slots are computed from the rows, not kept per token.
-    """
+    """Builds each step's model inputs from arrays kept across steps. Every running
+    sequence owns a row of `tables`, a numpy copy of its block table; only the rows
+    the BlockManager reports changed are rewritten: O(batch) a step, not O(blocks)."""
 
     def __init__(self, block_manager, device):
         self.bm, self.bs = block_manager, block_manager.block_size
@@ -281,22 +232,15 @@ class StepInputs:
     def device(self, hb: HostBatch, cache):
         """HostBatch -> (input_ids, positions, StepContext) on the device, in one copy."""
         groups = self.groups(hb)
-        arrays = [hb.input_ids, hb.positions, hb.slot_mapping]
-        if hb.logits_rows is not None:
-            arrays.append(hb.logits_rows)
-        for g in groups:
-            arrays += [a for a in g if a is not None]
-        t = iter(self.staging.send(arrays))
+        arrays = [hb.input_ids, hb.positions, hb.slot_mapping, hb.logits_rows] + [a for g in groups for a in g]
+        t = iter(self.staging.send([a for a in arrays if a is not None]))
         input_ids, positions, slots = next(t), next(t), next(t)
         logits_indices = next(t) if hb.logits_rows is not None else None
         ctx_groups = [QueryGroup(*(None if a is None else next(t) for a in g)) for g in groups]
         return input_ids, positions, StepContext(cache, slots, ctx_groups, logits_indices)
 
 
-# ----------------------------------------------------------------------------
-# The compiled step: one block compiled once, a CUDA graph per bucket
-# ----------------------------------------------------------------------------
-
+# --- The compiled step: one block compiled once, a CUDA graph per bucket ------
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16, up to the first that holds max_num_seqs."""
     sizes = []
@@ -320,26 +264,20 @@ def bucket(n: int, sizes: list[int]) -> int:
 
 
 def dynamic(t, *dims):
-    """Tell torch.compile, before it first sees t, that these dimensions vary:
-    one graph with symbolic sizes, not one per size (and a second when a size
-    first changes)."""
+    """Tell torch.compile, before it first sees t, that these dims vary: one symbolic graph."""
     for dim in dims:
         torch._dynamo.maybe_mark_dynamic(t, dim)
     return t
 
 
 def size_oblivious():
-    """Compile symbolic sizes without special-casing 1 (a size-1 dimension is
-    by default a constant: 1 broadcasts, so batch 1 was a second compilation)."""
+    """Compile symbolic sizes without special-casing 1 (else batch 1 is a second graph)."""
     return torch.fx.experimental._config.patch(backed_size_oblivious=True)
 
 
 def layer_cache(cache, layer: int):
-    """A cache object of the same class holding only `layer`, as its layer 0.
-
-    Its tensors are views ([layer:layer + 1], no copy), so every block's call
-    reads "layer 0" of same-shaped tensors and one graph serves all layers (a
-    layer index would be a constant in the trace: one graph per layer)."""
+    """A cache of the same class holding only `layer` (views, no copy) as its layer 0:
+    one graph serves all layers (a layer index would be a trace constant)."""
     view = copy.copy(cache)
     for name, t in vars(cache).items():
         if isinstance(t, torch.Tensor):
@@ -348,11 +286,8 @@ def layer_cache(cache, layer: int):
 
 
 class LayerContext:
-    """The ctx one compiled block sees: its layer's cache, the step's tables.
-
-    slot_mapping [B*Q], block_tables [B, W], q_pos [B, Q]: padded as in
-    CompiledDecoder._load. attend() ignores the layer index the model passes
-    (see layer_cache): self.cache holds just this layer."""
+    """The ctx one compiled block sees: its layer's cache (layer_cache: attend() ignores
+    the model's layer index), slot_mapping [B*Q], block_tables [B, W], q_pos [B, Q]."""
 
     def __init__(self, cache, slot_mapping, block_tables, q_pos):
         self.cache, self.slot_mapping, self.block_tables, self.q_pos = cache, slot_mapping, block_tables, q_pos
@@ -373,23 +308,15 @@ def _head(lm_head, x):  # pragma: no cover (compiled: the LM head; int8 fuses th
 
 
 class CompiledModel:
-    """What Transformer.forward reads from `self`, with every block and the
-    LM head replaced by a call of the ONE compiled graph for them.
-
-    Regional compilation: compiling one of the 30 identical blocks costs one
-    block whatever the depth. On this project's 2-core CPU LLM(compile=True)
-    of the default model started in 287 s when the whole step was compiled
-    (twice: batch 1 apart) and every bucket run; now in 15 s. Transformer.forward's
-    own code runs the step, so the compiled path cannot drift from model.py.
-    It gives up fusion across blocks (a residual add with the next norm) and
-    pays a guard check per block per call (none when a CUDA graph replays).
-    """
+    """What Transformer.forward reads from `self`, every block and the LM head replaced
+    by a call of the ONE compiled graph for them. Regional compilation: one block costs
+    one block's compile whatever the depth, and model.py's own forward runs the step (no
+    drift); it gives up fusion across blocks and pays a guard check per block per call."""
 
     def __init__(self, model):
         self.config, self.inv_freq = model.config, model.inv_freq
         self.embed_tokens, self.norm = model.embed_tokens, model.norm
-        # Each model and dtype compiled in one process (tests, bench.py) adds variants
-        # to these two functions' caches; dynamo's default limit is 8.
+        # Each model and dtype compiled in one process adds variants; dynamo's default limit is 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         block, head = torch.compile(_block, fullgraph=True), torch.compile(_head, fullgraph=True)
         self.layers = [functools.partial(self._run_block, block, i, b) for i, b in enumerate(model.layers)]
@@ -403,16 +330,12 @@ class CompiledModel:
 class CompiledDecoder:
     """Decode and verification steps through torch.compile, padded to buckets.
 
-    A step feeds Q tokens for each of B sequences (decode: Q = 1; verifying
-    k drafts: Q = k + 1, shorter rows padded) over block tables W wide. Why
-    buckets: a CUDA graph replays fixed shapes and addresses, so a step is
-    padded to a bucket of batch sizes (1, 2, 4, 8, then multiples of 16),
-    widths (powers of two) and query lengths (1, k + 1), each recorded at
-    warm-up, never while serving; a step is one input copy and one replay.
-    The code is one graph with symbolic sizes: compiling costs the same
-    whatever the number of buckets. (On CPU the same padded code runs.)
-    Padded rows and queries write into block `scratch_block`, one more than
-    the block manager hands out, which no sequence owns.
+    A step feeds Q tokens for each of B sequences (decode: Q = 1; verifying k drafts:
+    Q = k + 1, shorter rows padded) over block tables W wide. Why buckets: a CUDA graph
+    replays fixed shapes and addresses, so a step is padded to a (Q, B, W) bucket
+    recorded at warm-up: one input copy and one replay. One graph with symbolic sizes
+    serves all buckets (CPU runs the same padded code). Padded rows and queries write
+    into `scratch_block`, one more than the block manager hands out.
     """
 
     def __init__(self, model, cache, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
@@ -425,8 +348,7 @@ class CompiledDecoder:
         self.regions = CompiledModel(model)
         self.layer_caches = [layer_cache(cache, i) for i in range(model.config.n_layers)]
         rows = self.batch_sizes[-1] * self.query_sizes[-1]
-        # Static inputs and output: a CUDA graph reads and writes fixed addresses,
-        # so every bucket's step uses a prefix of these (on CPU too: one code path).
+        # Static inputs and output at fixed addresses, for CUDA graphs: each bucket uses a prefix.
         long = dict(dtype=torch.long, device=self.device)
         self.ids, self.positions, self.slots = (torch.zeros(rows, **long) for _ in range(3))
         self.tables = torch.zeros(self.batch_sizes[-1] * self.widths[-1], **long)
@@ -441,10 +363,8 @@ class CompiledDecoder:
         return len(query_lens) <= self.batch_sizes[-1] and max(query_lens) <= self.query_sizes[-1]
 
     def __call__(self, tokens, positions, slots, tables, query_lens=None, logits_rows=None):
-        """One step from the flat batch (numpy or lists): tokens, positions and
-        slots [N], tables [B, W] each sequence's block table (padded with any
-        valid block), query_lens [B] (None: one token each), logits_rows: rows
-        of the flat batch that need logits (None: all). Returns logits [rows, V]."""
+        """One step: tokens, positions, slots [N], tables [B, W] (padded with any valid block),
+        query_lens [B] (None: one each), logits_rows (None: all). Returns logits [rows, V]."""
         tokens, positions, slots, tables = (np.asarray(a, dtype=np.int64) for a in (tokens, positions, slots, tables))
         qlens = np.ones(len(tokens), np.int64) if query_lens is None else np.asarray(query_lens, np.int64)
         last = positions[np.cumsum(qlens) - 1]                            # each sequence's last position
@@ -461,10 +381,8 @@ class CompiledDecoder:
         return self.logits[torch.from_numpy(prow).to(self.device)]    # a copy: the next step overwrites
 
     def _load(self, key, tokens, positions, slots, tables, qlens):
-        """Pad the flat batch to bucket key = (Q, B, W) in the static inputs (ONE
-        copy); return where each real row lands in the padded [B * Q]. A padded
-        query repeats its sequence's last position (a finite softmax) and writes
-        the scratch slot; a padded sequence is token 0 at 0 over scratch blocks."""
+        """Pad the flat batch to bucket key = (Q, B, W) in the static inputs (ONE copy); return
+        where each real row lands in the padded [B * Q]. Padding writes only the scratch block."""
         Q, Bp, W = key
         B, scratch = len(qlens), self.scratch_block * self.cache.block_size
         src, real = query_rows(np.cumsum(qlens) - qlens, qlens, Q)            # [B, Q] each
@@ -488,9 +406,8 @@ class CompiledDecoder:
             q_pos = dynamic(self.positions[:n].view(B, Q), 0, 1)        # a query's position bounds its keys
             tables = dynamic(self.tables[:B * W].view(B, W), 0, 1)
             slots = dynamic(self.slots[:n], 0)
-            # the ctx Transformer.forward gets: a LayerContext per block; every row gets logits
             ctx = SimpleNamespace(layers=[LayerContext(c, slots, tables, q_pos) for c in self.layer_caches],
-                                  logits_indices=None)
+                                  logits_indices=None)     # Transformer.forward's ctx: all rows get logits
             self.contexts[key] = (self.ids[:n], self.positions[:n], ctx)
         return self.contexts[key]
 
@@ -502,9 +419,8 @@ class CompiledDecoder:
         self.logits[:len(ids)].copy_(logits)
 
     def _record(self, key):  # pragma: no cover (CUDA graphs)
-        """CUDA: record bucket `key`'s whole step, eager parts included, as ONE
-        graph (mode="reduce-overhead" records per region: 31 replays a step).
-        All graphs share one memory pool: they never run at once."""
+        """CUDA: record bucket `key`'s whole step, eager parts included, as ONE graph (not
+        one per region as mode="reduce-overhead"), in a pool shared by all buckets."""
         self._forward(key)                                   # compiles (first bucket) and warms up
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -514,10 +430,8 @@ class CompiledDecoder:
         self.graphs[key] = graph
 
     def warmup_buckets(self) -> list[tuple]:
-        """The (Q, B, W) run at warm-up. CUDA: all (each is a graph), biggest first
-        so that the shared pool fits them. CPU: per Q, batch 1 and the biggest at
-        the narrowest width, batch 1 at the widest: the guards only relate sizes
-        (N = B * Q) but for int8's row threshold (quantize.py), which those cross."""
+        """The (Q, B, W) run at warm-up. CUDA: all, biggest first so the shared pool fits them.
+        CPU, per Q: batch 1 and the biggest, narrowest; batch 1, widest: all guards crossed (int8's rows too)."""
         if self.cuda:  # pragma: no cover (CUDA: every bucket is a graph)
             keys = itertools.product(self.query_sizes, self.batch_sizes, self.widths)
             return sorted(keys, key=lambda k: -k[0] * k[1] * k[2])
@@ -526,9 +440,8 @@ class CompiledDecoder:
 
     @torch.inference_mode()                   # as LLM.step runs (grad mode is guarded on)
     def warmup(self) -> float:
-        """Compile (and on CUDA record) every bucket now, on scratch rows only.
-        Called again (serve.py does, from its engine thread), it only replays
-        the recorded graphs. Returns seconds."""
+        """Compile (and on CUDA record) every bucket now, on scratch rows only; called again
+        (serve.py, from its engine thread) it only replays the graphs. Returns seconds."""
         t0 = time.perf_counter()
         if self.warm:
             for graph in self.graphs.values():

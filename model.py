@@ -10,24 +10,19 @@ The lesson: a modern decoder-only LLM is a short stack of simple pieces.
     logits = LMHead(RMSNorm(x))            # [N, vocab]
 
 Place in the data flow: the engine (scheduler.py) flattens the tokens of all
-running sequences into one batch of N tokens and calls
-
-    Transformer.forward(input_ids[N], positions[N], ctx)
-
-Everything except attention is per token, so it runs on the flat [N, D]
-tensor no matter which sequence a token belongs to ("selective batching").
-Attention is the only step that mixes tokens, and only tokens of the same
-sequence: the model hands q, k, v to `ctx.attend(layer, q, k, v)` and the
-context object (cache.py builds it each step) writes k, v into the paged KV
-cache and attends over it. With ctx=None the model runs the plain dense
-causal path over ONE sequence with no cache at all: the reference every
-faster path is tested against, and the lecture's "naive generation" baseline.
+running sequences into one batch and calls Transformer.forward(input_ids[N],
+positions[N], ctx). Everything except attention is per token, so it runs on
+the flat [N, D] tensor whatever sequence a token belongs to ("selective
+batching"). Attention alone mixes tokens, of the same sequence only: the model
+hands q, k, v to `ctx.attend(layer, q, k, v)`, and the context (cache.py builds
+it each step) writes k, v into the paged KV cache and attends over it. With
+ctx=None the model runs the dense causal path over ONE sequence, no cache: the
+reference every faster path is tested against, and the "naive generation" baseline.
 
 The weights come from `load_model(path)` at the bottom: a Hugging Face
 checkpoint directory, "random:<preset>" (published shapes, seeded random
-weights), or the embedded default model (default_model_path). How they are
-checked and read is plumbing, in support/checkpoint.py and
-support/default_model.py; this file imports no other file of the tour.
+weights), or the default model (default_model_path); checking and reading them
+is support/'s plumbing. This file imports no other file of the tour.
 """
 from __future__ import annotations
 
@@ -64,23 +59,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """From a Hugging Face config.json dict. Every field is type- and
-        range-checked (support/checkpoint.py), and an error names the field
-        as config.json spells it, at load time, not deep inside the model."""
+        """From a Hugging Face config.json dict; every field type- and range-checked at
+        load time (support/checkpoint.py), an error naming it as config.json does."""
         return cls(**checkpoint.config_fields(hf))
 
 
-# ----------------------------------------------------------------------------
-# The building blocks
-# ----------------------------------------------------------------------------
+# --- The building blocks -------------------------------------------------------
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps): LayerNorm without mean-centering or bias.
-
-    Computed in float32 whatever the model dtype (a bfloat16 mean of squares
-    loses too much precision), then cast back before the weight multiply,
-    the same order Hugging Face uses, so bf16 results match bit for bit.
-    """
+    In float32 (a bfloat16 mean of squares loses too much), cast back before the
+    weight multiply: Hugging Face's order, so bf16 results match bit for bit."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -98,10 +87,8 @@ class RMSNorm(nn.Module):
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """inv_freq[i] = theta^(-2i/d) for i < d/2: one rotation speed per pair of dims.
-
     Llama 3.1's long-context "llama3" scaling slows the low frequencies down
-    (divides them by `factor`), keeps the high ones, and blends in between.
-    """
+    (divides them by `factor`), keeps the high ones, and blends in between."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling
@@ -121,12 +108,9 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 def apply_rope(x, cos, sin):
     """Rotate each pair (x[i], x[i + d/2]) by the angle position * inv_freq[i].
-
-    x: [N, heads, d]; cos, sin: [N, 1, d/2]. This is the "rotate half" pairing
-    of Hugging Face checkpoints (GGUF files use interleaved pairs; the
-    converter in support/default_model.py undoes that). The point of RoPE: <rope(q, m), rope(k, n)>
-    depends only on m - n, so attention sees relative positions.
-    """
+    x: [N, heads, d]; cos, sin: [N, 1, d/2]. Hugging Face's "rotate half" pairing
+    (GGUF's interleaved pairs are undone by support/default_model.py). The point:
+    <rope(q, m), rope(k, n)> depends only on m - n: attention sees relative positions."""
     # assignment: rmsnorm-rope
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -135,11 +119,9 @@ def apply_rope(x, cos, sin):
 
 def dense_causal_attention(q, k, v):
     """Plain causal softmax attention over one sequence, GQA by grouping.
-
     q: [N, H, d], k and v: [N, n_kv, d] -> [N, H, d]. The H query heads are
     viewed as n_kv groups of G = H // n_kv heads that share one K/V head:
-    reshape q, never copy k/v (copying is what GQA exists to avoid).
-    """
+    reshape q, never copy k/v (copying is what GQA exists to avoid)."""
     # assignment: gqa-attention
     N, H, d = q.shape
     n_kv = k.shape[1]
@@ -155,11 +137,8 @@ def dense_causal_attention(q, k, v):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: H query heads, n_kv key/value heads.
-
-    The KV cache stores k and v, so its size scales with n_kv, not H:
-    SmolLM2 has 9 query heads over 3 KV heads, a 3x smaller cache.
-    """
+    """Grouped-query attention: H query heads, n_kv key/value heads. The KV cache
+    scales with n_kv, not H: SmolLM2's 9 query heads over 3 KV heads, a 3x smaller cache."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -230,10 +209,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, positions, ctx=None):
         """input_ids, positions: [N] -> logits [N, vocab] (with ctx: only ctx.logits_indices rows).
-
-        Without ctx, the N tokens are ONE sequence and attention is dense causal.
-        With ctx, they are the flat concatenation of many sequences' new tokens.
-        """
+        Without ctx the N tokens are ONE sequence (dense causal attention); with ctx,
+        the flat concatenation of many sequences' new tokens."""
         if ctx is None and input_ids.shape[0] > self.config.max_seq_len:
             raise ValueError(f"sequence of {input_ids.shape[0]} tokens is longer than the "
                              f"model's context of {self.config.max_seq_len}")
@@ -248,21 +225,16 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)).float()                        # [rows, V]
 
 
-# ----------------------------------------------------------------------------
-# Naive generation: the lecture's baseline
-# ----------------------------------------------------------------------------
+# --- Naive generation: the lecture's baseline -------------------------------------
 
 @torch.no_grad()
 def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
              temperature: float = 0.0, eos_token_id: int | None = None,
              generator: torch.Generator | None = None) -> list[int]:
     """Generate by re-running the whole sequence through the dense path at every step.
-
-    No KV cache: step t recomputes attention over all t tokens, so producing T
-    tokens costs O(T^2) token-passes instead of O(T). This is the reference
-    the cached engine must reproduce token for token, and the baseline of
-    bench.py's kv-cache experiment. Returns only the new tokens.
-    """
+    No KV cache: step t recomputes attention over all t tokens, so T tokens cost
+    O(T^2) token-passes instead of O(T). The reference the cached engine must
+    reproduce token for token, and bench.py's kv-cache baseline. Returns the new tokens."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: there is no token to condition on")
     limit = model.config.max_seq_len
@@ -286,10 +258,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
     return out
 
 
-
-# ----------------------------------------------------------------------------
-# Loading: a short door into support/checkpoint.py
-# ----------------------------------------------------------------------------
+# --- Loading: a short door into support/checkpoint.py -----------------------------
 
 def read_config(path) -> ModelConfig:
     """The config of a model path without loading any weight: a checkpoint
@@ -299,16 +268,10 @@ def read_config(path) -> ModelConfig:
 
 def load_model(path, device="cpu", dtype=torch.float32):
     """A checkpoint directory or "random:<preset>[:seed=N]" -> (model, config).
-
-    The model is built on the "meta" device (shapes, no memory); the names
-    and shapes of its tensors are what the checkpoint must hold. Loading is
-    strict, like load_state_dict(strict=True): the weights must hold exactly
-    the tensors the config implies, with the implied shapes, or ONE error
-    lists every difference. Each tensor is then read and cast straight to
-    its final device and dtype, so peak memory is about one copy of the
-    weights. With device="meta" no weight is read. A preset reads nothing:
-    its weights are seeded random values (see random_weights).
-    """
+    The model is built on the "meta" device (shapes, no memory): the names and shapes
+    of its tensors are what the checkpoint must hold, strictly (ONE error lists every
+    difference). Each tensor is cast straight to its device and dtype, so peak memory
+    is about one copy of the weights; device="meta" reads none, a preset reads nothing."""
     cfg = read_config(path)
     if cfg.random_seed is not None:
         return random_weights(cfg, cfg.random_seed, device=device, dtype=dtype)

@@ -1,39 +1,34 @@
 """
 quantize.py -- int8: fewer bytes per value, fewer bytes per step.
 
-The lesson: decode is memory-bound. A decode step at small batch reads every
-weight once and does ~2 FLOPs per weight per sequence, so its time is
+The lesson: decode is memory-bound. A decode step at small batch reads every weight once
+and does ~2 FLOPs per weight per sequence, so its time is
 
     step time ~ (weight bytes + KV cache bytes) / memory bandwidth
 
-and halving the bytes per value halves the step. Weight-only int8 stores
-each linear layer's weight as 8-bit integers plus one float scale per output
-row (per-output-channel, symmetric absmax):
+and halving the bytes per value halves the step. Weight-only int8 stores each linear
+layer's weight as 8-bit integers plus one float scale per output row
+(per-output-channel, symmetric absmax):
 
     scale[o] = max_i |W[o, i]| / 127        q[o, i] = round(W[o, i] / scale[o])
     y[o]     = sum_i x[i] * W[o, i]  ~=  scale[o] * sum_i x[i] * q[o, i]
 
 The scale factors out of the sum, so the matmul runs on the integers and the
-dequantization is one multiply per output. Activations stay in floating
-point ("weight-only"): they are small at decode time and carry outliers that
-8 bits would clip. The rounding error per weight is at most scale / 2, so
-one outlier in a row coarsens the whole row: that is what per-channel (not
-per-tensor) scales limit.
+dequantization is one multiply per output. Activations stay in floating point
+("weight-only"): they are small at decode time and carry outliers that 8 bits would
+clip. The rounding error per weight is at most scale / 2, so one outlier coarsens its
+whole row: that is what per-channel (not per-tensor) scales limit.
 
-What gets quantized: every nn.Linear (q, k, v, o projections, the MLP's
-gate/up/down, and the LM head). The token embedding stays in floating point:
-a lookup reads only N rows per step, not the whole table, so it costs no
-bandwidth. With tied embeddings (SmolLM2) the LM head becomes an int8 copy
-and the float table remains for the lookup.
+Every nn.Linear is quantized (q, k, v, o, the MLP's gate/up/down, the LM head). The
+token embedding stays in floating point: a lookup reads only N rows per step, not the
+whole table. With tied embeddings (SmolLM2) the LM head becomes an int8 copy and the
+float table remains for the lookup. The int8 KV cache does the same to the cache: one
+float32 scale per (token, head), dequantized when paged attention reads the blocks, so
+bytes per token are 2 * layers * kv_heads * (head_dim * 1 + 4).
 
-The int8 KV cache does the same to the cache: K and V stored as int8 with
-one float32 scale per (token, head), dequantized when paged attention reads
-the blocks. Bytes per token: 2 * layers * kv_heads * (head_dim * 1 + 4).
-
-Place in the data flow: LLM(quantization="int8") calls quantize_model() right
-after load_model(); LLM(kv_cache_dtype="int8") builds an Int8KVCache instead
-of a KVCache. bench.perplexity() measures what the bytes cost in quality
-(bench.py's quantization experiment, tests/test_quantize.py).
+Place in the data flow: LLM(quantization="int8") calls quantize_model() right after
+load_model(); LLM(kv_cache_dtype="int8") builds an Int8KVCache instead of a KVCache.
+bench.perplexity() measures what the bytes cost in quality.
 """
 from __future__ import annotations
 
@@ -74,18 +69,12 @@ FUSED_ROWS = 8   # compiled int8 products of up to this many rows run as one fus
 class Int8Linear(nn.Module):
     """A drop-in nn.Linear with an int8 weight [out, in] and a scale per output row.
 
-    forward computes (x @ q^T) * scale (+ bias): the same function as F.linear
-    on the dequantized weight, in one of three ways:
-      * CPU, bfloat16 activations: torch._weight_int8pack_mm, a kernel that
-        reads the int8 weight directly (measured here: the 49152x576 LM head
-        at batch 1 took 2.6 ms against 10 ms for float32 F.linear);
-      * under torch.compile, at most FUSED_ROWS rows (decode at small batch,
-        the case int8 is for): an elementwise product and a sum that the
-        compiler fuses with the int8 -> float conversion (see _fused);
-      * otherwise F.linear on the converted weight. Eagerly the conversion is a
-        kernel of its own that writes a float copy of the weight and the
-        matmul reads it back: more bytes than a bf16 weight, so int8 is
-        slower than bf16 there (README: the eager GPU figures).
+    forward computes (x @ q^T) * scale (+ bias), F.linear on the dequantized weight, in
+    one of three ways: on CPU with bfloat16 activations, torch._weight_int8pack_mm, a kernel
+    that reads the int8 weight directly; under torch.compile with at most FUSED_ROWS rows
+    (small-batch decode, the case int8 is for), _fused; otherwise F.linear on the converted
+    weight. Eagerly that conversion is a kernel of its own that writes a float copy the
+    matmul reads back: more bytes than a bf16 weight, so eager int8 is slower than bf16.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -93,9 +82,8 @@ class Int8Linear(nn.Module):
         q, scale = quantize_int8(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight", q)          # [out, in] int8: 1 byte per value
-        # [out], in the model's dtype: a bf16 model's kernel wants bf16 scales, and
-        # a conversion inside forward would be one more op per layer (and one that
-        # inductor's lowering of _weight_int8pack_mm refuses).
+        # [out], in the model's dtype: a bf16 kernel wants bf16 scales, and converting in forward
+        # is one more op per layer (one that inductor's lowering of _weight_int8pack_mm refuses).
         self.register_buffer("scale", scale.to(linear.weight.dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
@@ -114,16 +102,12 @@ class Int8Linear(nn.Module):
     def _fused(self, x):  # pragma: no cover (compiled code only: see the last line of the docstring)
         """gpt-fast's int8 decode: a product the compiler turns into ONE kernel.
 
-        Written as elementwise multiply + sum, the int8 -> float conversion
-        is part of the reduction's load: inductor generates one kernel that
-        reads each int8 byte once and converts it in registers (the
-        converted weight never exists), so the step reads a quarter of
-        float32's bytes and half of bf16's. Output laid out [out, rows]: the
-        rows that share a weight row are neighbours in the kernel, so the row
-        is loaded once for all of them. Only for a few rows: this runs on
-        plain arithmetic units (no tensor cores / BLAS blocking), so many
-        rows make it compute-bound; a bigger batch takes the matmul.
-        Eagerly it would materialize [out, rows, in]: compiled code only.
+        As elementwise multiply + sum, the int8 -> float conversion is part of the
+        reduction's load: inductor reads each int8 byte once and converts it in registers
+        (no converted weight), a quarter of float32's bytes, half of bf16's. Output
+        [out, rows]: rows sharing a weight row are neighbours, so it is loaded once for
+        all. Only for a few rows: no tensor cores or BLAS blocking, so many rows make it
+        compute-bound. Eagerly it would materialize [out, rows, in]: compiled code only.
         """
         rows = x.reshape(-1, self.in_features)                                       # [R, in]
         y = (self.weight.to(x.dtype)[:, None, :] * rows[None, :, :]).sum(-1)          # [out, R]
@@ -134,12 +118,9 @@ class Int8Linear(nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
-    """Swap every nn.Linear of `model` for an Int8Linear, in place.
-
-    One layer at a time: the float weight of a replaced layer is freed before
-    the next is quantized, so the peak is the float model plus one int8 layer,
-    never two copies of the model.
-    """
+    """Swap every nn.Linear of `model` for an Int8Linear, in place, one layer at a time: a
+    replaced layer's float weight is freed before the next is quantized, so the peak is the
+    float model plus one int8 layer, never two copies of the model."""
     if method != "int8":
         raise ValueError(f"unknown quantization {method!r}; the supported method is 'int8'")
     if any(isinstance(m, Int8Linear) for m in model.modules()):
@@ -152,10 +133,9 @@ def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
 
 
 def decode_weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads, measured from the tensors:
-    every parameter and buffer of every layer (a tensor shared by two layers,
-    like a tied head, once), except the embedding table, of which a lookup
-    reads only the N rows it needs."""
+    """Bytes of weights one decode step reads: every parameter and buffer of every layer (a
+    tensor shared by two layers, like a tied head, once), except the embedding table, of
+    which a lookup reads only the N rows it needs."""
     tensors = {}
     for m in model.modules():
         if next(m.children(), None) is None and not isinstance(m, nn.Embedding):
@@ -171,13 +151,12 @@ def int8_kv_cache_bytes(cfg, num_tokens: int = 1) -> int:
 
 
 class Int8KVCache(KVCache):
-    """KVCache storing int8 K, V [L, blocks, block_size, n_kv, d] and float32
-    scales [L, blocks, block_size, n_kv], one per token and head.
+    """KVCache storing int8 K, V [L, blocks, block_size, n_kv, d] and float32 scales
+    [L, blocks, block_size, n_kv], one per token and head.
 
-    Only write (quantize) and blocks (dequantize) differ: paged attention in
-    cache.py and kernels.py reads through blocks(), so it works unchanged and
-    sees K, V in the model's dtype. (total_bytes and copy_block cover the
-    scales too: they walk KVCache.pools().)
+    Only write (quantize) and blocks (dequantize) differ: paged attention in cache.py and
+    kernels.py reads through blocks(), so it works unchanged and sees K, V in the model's
+    dtype. total_bytes and copy_block cover the scales too: they walk KVCache.pools().
     """
     storage_dtype = torch.int8
 

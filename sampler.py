@@ -1,27 +1,23 @@
 """
 sampler.py -- sampling that costs what a request asks for.
 
-The lesson: sampling is per request (temperature, top-k, top-p, a seed), yet
-it runs as ONE batched operation per step and pays only for what each request
-asks for. Greedy rows (the common case) are one argmax: no sort, no softmax,
-no noise. Only rows that ask for top-k pay for a topk, only those with
-top-p < 1 for a sort. Every sampled row then draws its token with ONE uniform
-number, by inverse CDF, vectorized over the batch.
+The lesson: sampling is per request (temperature, top-k, top-p, a seed), yet it runs
+as ONE batched operation per step and pays only for what each request asks for.
+Greedy rows (the common case) are one argmax: no sort, no softmax, no noise. Only rows
+that ask for top-k pay for a topk, only those with top-p < 1 for a sort. Every sampled
+row then draws its token with ONE uniform number, by inverse CDF, vectorized.
 
-The uniforms are counter-based: u = hash(request key, output position,
-stream), a pure function like JAX's or Philox's counters. (A per-request
-torch.Generator is sequential state: one launch per row, and a preempted
-request would replay different noise.) The key mixes the request's seed with
-the sample index, so a seeded request gets the same tokens whatever else is
-in the batch and after preemption, and no two samples of one request share
-noise. Streams keep the uses of one position (the draw, a draft's acceptance
-test, the draft model's own draw) independent.
+The uniforms are counter-based: u = hash(request key, output position, stream), a pure
+function like JAX's or Philox's counters (a per-request torch.Generator is sequential
+state: one launch per row, and a preempted request would replay different noise). The
+key mixes the request's seed with the sample index, so a seeded request gets the same
+tokens whatever else is in the batch and after preemption, and no two samples of one
+request share noise. Streams keep the uses of one position (the draw, a draft's
+acceptance test, the draft model's own draw) independent.
 
-Place in the data flow: part 3 of LLM.step (scheduler.py) hands sample_tokens
-the logits rows of every sampling sequence (its last position, or the k+1
-positions of a draft verification, judged by speculative.py's rejection rule)
-and gets the new tokens back after the step's one wait for the device. Part 4
-streams each sequence's text through its StopStrings.
+Place in the data flow: part 3 of LLM.step (scheduler.py) calls sample_tokens once on
+the logits rows of every sampling sequence (drafts judged by speculative.py's rejection
+rule); part 4 streams each sequence's text through its StopStrings.
 """
 from __future__ import annotations
 
@@ -36,9 +32,8 @@ from support.checks import check_sampling_params
 # --- What a request asks for -------------------------------------------------
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request, and when to stop. Each field's range is
-    stated once, in LIMITS (walked by support/checks.py); the server validates
-    requests with this same class, so the library and the API agree."""
+    """How to pick tokens for one request, and when to stop. Each field's range is stated
+    once, in LIMITS: support/checks.py checks it for the library and the server alike."""
     max_tokens: int = 64            # new tokens at most (per sample)
     temperature: float = 0.0        # 0 = greedy (argmax); otherwise softmax(logits / T)
     top_k: int = 0                  # keep the k most likely tokens (0 = all; k >= vocab = all)
@@ -50,8 +45,7 @@ class SamplingParams:
     n: int = 1                      # parallel samples sharing the prompt (copy-on-write)
     logprobs: int | None = None     # None, or the chosen token's logprob + this many alternatives
 
-    # Integers that reach a tensor or a hash must fit 64 bits; counts that cost memory
-    # or time per step are capped.
+    # integers for a tensor or a hash fit 64 bits; counts that cost memory or time are capped
     LIMITS = {"max_tokens": 2**31 - 1, "n": 128, "logprobs": 20, "stop": 16, "stop_chars": 1024,
               "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1)}
     GREEDY_BELOW = 1e-5             # temperatures this small are greedy (logits / 1e-30 would overflow)
@@ -92,12 +86,9 @@ def uniform(key: int, position: int, stream: int = DRAW) -> float:
 
 # --- Filtering and the draw --------------------------------------------------
 def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
-    """Probabilities [R, V] of sampled rows after temperature, top-k, then top-p.
-
-    logits [R, V] float32; temperature [R] tensor; top_k (0 = off) and top_p (1 = off)
-    as host lists, so no host-device round trip decides which rows need filtering.
-    Ties at a threshold are kept (a few more tokens than asked, if exactly equal).
-    """
+    """Probabilities [R, V] of sampled rows after temperature, top-k, then top-p: logits [R, V]
+    float32; temperature [R]; top_k (0 = off), top_p (1 = off) as host lists, so no host-device
+    round trip decides which rows to filter. Ties at a threshold are all kept."""
     # assignment: sampler
     R, V = logits.shape
     logits = logits / temperature[:, None]
@@ -124,10 +115,9 @@ def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
 
 
 def draw(probs, u):
-    """Inverse-CDF sampling, one uniform per row: probs [R, V] (unnormalized is fine),
-    u [R] -> tokens [R]: the first token whose cumulative probability exceeds
-    u * total, so a token of probability 0 is never chosen. float64: a tail token
-    of p ~ 1e-9 keeps its chance next to a cumulative sum near 1."""
+    """Inverse-CDF sampling, one uniform per row: probs [R, V] (unnormalized is fine), u [R]
+    -> tokens [R]: the first token whose cumulative probability exceeds u * total, so a token
+    of probability 0 is never chosen. float64: a p ~ 1e-9 tail token keeps its chance."""
     # assignment: sampler
     cdf = probs.double().cumsum(dim=-1)                                      # [R, V]
     x = (u.double() * cdf[:, -1])[:, None]
@@ -152,8 +142,7 @@ def sample_tokens(logits, reqs: list[SampleRequest]):
     owns logits rows row_s .. row_s + k_s (k_s drafts): plain sampling is verification
     with k = 0, one code path for both. Returns per sequence, on the host after the
     step's single wait: (tokens, raw-logit logprobs info or None, finite: bool)."""
-    S, K = len(reqs), max(len(r.drafts) for r in reqs)
-    dev = logits.device
+    S, K, dev = len(reqs), max(len(r.drafts) for r in reqs), logits.device
     n = np.array([len(r.drafts) for r in reqs])
     ridx = np.array([r.row for r in reqs])[:, None] + np.minimum(np.arange(K + 1)[None, :], n[:, None])
     drafts = np.full((S, max(K, 1)), -1)
@@ -186,8 +175,7 @@ def sample_tokens(logits, reqs: list[SampleRequest]):
 
 
 def _sample_rows(logits, reqs, ridx, d, n):
-    """Sampled (temperature > 0) sequences: filtered target distributions, the
-    rejection rule over the drafts, and one inverse-CDF draw each."""
+    """Sampled (temperature > 0) sequences: filtered q, the rejection rule, one draw each."""
     S, K1 = ridx.shape
     rows = torch.as_tensor(ridx.reshape(-1), device=logits.device)
     per_row = lambda f: [f(r) for r in reqs for _ in range(K1)]                     # noqa: E731
@@ -213,8 +201,7 @@ def _sample_rows(logits, reqs, ridx, d, n):
 
 
 def _logprobs(logits, ridx, tokens, top: int):
-    """log_softmax of the RAW logits (no temperature, no filtering, as OpenAI's
-    API and vLLM report them): the chosen tokens' values and the top alternatives."""
+    """Logprobs from the RAW logits (no temperature or filtering, as OpenAI and vLLM report them)."""
     logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)   # [S', K+1, V]
     chosen = logp.gather(-1, tokens[..., None])[..., 0]
     alt = logp.topk(max(top, 1), dim=-1)
@@ -250,8 +237,7 @@ def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
 
 
 def sample_isolated(logits, asks, fail):
-    """sample_tokens over the step's (sequence, SampleRequest) pairs, batch_then_each: the
-    noise is a function of the request, so alone it gets the same tokens as in the batch."""
+    """sample_tokens via batch_then_each: the noise depends only on the request, so alone = batched."""
     return batch_then_each(lambda part: sample_tokens(logits, [a for _, a in part]), asks, fail,
                            "sampling", ([], None, True))      # skipped by the engine: its request failed
 
@@ -275,13 +261,11 @@ def draft_sampler(asks):
 
 # --- Stop strings, matched as the text streams -------------------------------
 class StopStrings:
-    """Knuth-Morris-Pratt over the text as it streams: O(new characters) per step.
-
-    For each stop string we keep how many of its leading characters the text
-    currently ends with (`state`). A new character either extends that match
-    or falls back along the string's failure table (the longest proper prefix
-    that is also a suffix). The largest state is exactly how much trailing
-    text must be held back from a stream: it may still become a stop string.
+    """Knuth-Morris-Pratt over the streaming text: O(new characters) per step.
+    state[j]: how many leading characters of stop string j the text now ends with. A new
+    character extends that match or falls back along j's failure table (the longest proper
+    prefix that is also a suffix). The largest state is how much trailing text a stream
+    must hold back: it may still become a stop string.
     """
 
     def __init__(self, stops: list[str]):

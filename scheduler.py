@@ -1,13 +1,12 @@
 """
 scheduler.py -- continuous batching: the engine loop.
 
-The lesson: decode is memory-bound. Each step reads every weight once, so
-one sequence at a time wastes the GPU: a decode matmul of B sequences does
-2*B FLOPs per weight read (arithmetic intensity ~ B). Batching is the
-single most important serving optimization. But requests arrive at
-different times and want different lengths; "static" batching (run a group
-to completion, then the next) leaves seats empty while the longest one
-finishes. Continuous batching schedules at the granularity of ONE step:
+The lesson: decode is memory-bound. Each step reads every weight once, so a
+decode matmul over B sequences does 2*B FLOPs per weight read (arithmetic
+intensity ~ B): batching is the most important serving optimization. But
+requests arrive at different times and want different lengths; "static"
+batching (run a group to completion, then the next) leaves seats empty while
+the longest one finishes. Continuous batching schedules ONE step at a time:
 
     every step:  finished sequences leave, waiting ones join at once,
                  and the tokens of all running sequences form one flat batch.
@@ -18,28 +17,15 @@ per sequence, over its own paged KV cache (cache.py, kernels.py).
 
 Place in the data flow: text -> Tokenizer.encode -> add_request (a Request
 with its Sequences, queued) -> LLM.step() until done -> RequestOutput.
-LLM.step() has four parts:
-    1. schedule   Scheduler.schedule(): which sequences run and how many
-                  tokens each: 1 per decoding sequence first (k+1 with
-                  drafts), then prefill chunks, within max_num_batched_tokens;
-                  preempts the newest sequence if the KV pool is full
-    2. forward    LLM._forward: Transformer.forward over all N scheduled
-                  tokens at once (inputs built by kernels.StepInputs)
-    3. sample     sample_requests() picks each sampling sequence's logits
-                  rows; sampler.py draws the next token of every sequence
-                  whose prompt is done, or verifies its drafts; ONE wait
-                  for the device per step
-    4. append     LLM._append_all / Sequence.append: stop strings, EOS,
-                  max_tokens, text deltas; finished sequences free their blocks
-A request that goes wrong in its own way (its drafts, its text, non-finite
-logits in its rows) finishes alone with finish_reason "error"; an error no
-request explains fails the step's requests, and the engine keeps serving.
-
-In reading order: the Scheduler (part 1), which rows sample (part 3), LLM
-itself, and at the bottom how an engine is built (the model, the KV pool
-sized by the lecture's formula, the compiled path). Requests and sequences
-are sequence.py's; SamplingParams is sampler.py's and is imported from here
-too: `from scheduler import LLM, SamplingParams`.
+LLM.step() has four parts, and this file reads in their order:
+    1. schedule   Scheduler.schedule(): which sequences run, how many tokens each
+    2. forward    LLM._forward: one Transformer.forward over all N scheduled tokens
+    3. sample     sample_requests() picks logits rows; sampler.py draws or verifies
+                  drafts, with ONE wait for the device
+    4. append     LLM._append_all / Sequence.append: stop strings, EOS, max_tokens;
+                  finished sequences free their blocks
+A request that goes wrong alone (its drafts, text, logits) finishes alone: "error".
+SamplingParams is sampler.py's: `from scheduler import LLM, SamplingParams`.
 """
 from __future__ import annotations
 
@@ -63,14 +49,10 @@ from sequence import FINISHED, RUNNING, WAITING, Request, RequestOutput, Sequenc
 from speculative import make_drafter
 from support import checks
 from support.checkpoint import tokenizer_path
-from support.checks import resolve_device_dtype
 from support.timing import choose_weight_layout
 from tokenizer import Tokenizer
 
-# ----------------------------------------------------------------------------
-# Part 1: the scheduler
-# ----------------------------------------------------------------------------
-
+# --- Part 1: the scheduler ----------------------------------------------------
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -80,28 +62,21 @@ class ScheduledSeq:
     @property
     def tokens(self) -> list[int]:
         """The token ids fed: a prefill chunk, or the last sampled token (+ drafts to verify)."""
-        seq = self.seq
-        return (seq.token_ids[self.start:] + seq.draft_tokens)[:self.count]
+        return (self.seq.token_ids[self.start:] + self.seq.draft_tokens)[:self.count]
 
 
 class Scheduler:
-    """FCFS waiting queue + running list, one token budget per step.
-
-    Order of a step: (1) one token (1 + drafts) for every running sequence
-    that is decoding, preempting the newest running sequence whenever the
-    KV pool cannot give one its next slot; (2) the next chunk of running
-    sequences still prefilling, as much as the pool holds; (3) waiting
-    sequences, oldest first, while seats (max_num_seqs), budget and free
-    blocks last. If that schedules nothing although sequences are running
-    (prefills that each hold part of a full pool), the newest gives its
-    blocks back, so the oldest can always finish.
-    """
+    """FCFS waiting queue + running list, one token budget per step. A step takes
+    (1) 1 token (1 + drafts) of every decoding sequence, (2) the next chunk of every
+    prefilling one, (3) waiting sequences, oldest first, while seats, budget and free
+    blocks last. When the pool runs short, the NEWEST running sequence gives its
+    blocks back, so the oldest always finishes."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()      # FCFS; a preempted sequence rejoins at the front
+        self.running: list[Sequence] = []            # oldest first: the last one is preempted first
         self.num_preemptions = 0
         self.release_hooks = []                  # called with a sequence whose blocks were freed
 
@@ -142,9 +117,8 @@ class Scheduler:
 
     def _schedule_once(self) -> list[ScheduledSeq]:
         # assignment: scheduler-step
-        # The token budget bounds the work of one forward pass: decode tokens are
-        # cheap (memory-bound), prefill tokens are compute; chunking long prompts
-        # keeps every step short so running sequences never stall behind a prompt.
+        # The token budget bounds one forward pass: decode tokens are cheap (memory-bound), prefill
+        # tokens are compute; chunked prompts keep each step short, so no decode stalls behind one.
         budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
 
@@ -200,10 +174,9 @@ class Scheduler:
         return out
         # end assignment
 
-    # Forking happens before the forward pass, after the parent's slots were
-    # allocated: the children share exactly the blocks this step fills.
     def fork(self, seq: Sequence, num_computed: int, tokenizer) -> list[Sequence]:
-        """n > 1: when the prompt is done, add n - 1 sequences sharing its blocks."""
+        """n > 1: when the prompt is done, add n - 1 sequences sharing its blocks. This runs before
+        the forward pass, after the parent's slots were reserved: the children share what it fills."""
         req, children = seq.request, []
         while len(req.seqs) < req.params.n:
             child = Sequence(req, seq.token_ids, len(req.seqs), tokenizer)
@@ -226,15 +199,11 @@ class Scheduler:
         seq.status = FINISHED
 
 
-# ----------------------------------------------------------------------------
-# Around the forward pass: who samples (part 3), and speculative decoding's side
-# ----------------------------------------------------------------------------
-
+# --- Part 3: who samples, and speculative decoding's side -------------------
 def sample_requests(batch, scheduler, tokenizer):
-    """Which sequences sample this step, from which logits rows: the last
-    position of every sequence whose cache will hold all its known tokens
-    (it samples a next token), or all 1 + k positions of a verification.
-    A prompt of a request with n > 1 forks here (copy-on-write)."""
+    """Which sequences sample this step, from which logits rows: the last row of each sequence
+    whose cache will then hold all its tokens, or all 1 + k rows of a verification. A prompt
+    of a request with n > 1 forks here (copy-on-write)."""
     asks, rows, end = [], [], 0
     for item in batch:
         seq = item.seq
@@ -251,25 +220,23 @@ def sample_requests(batch, scheduler, tokenizer):
 
 
 class Speculation:
-    """Drafts before a step, bookkeeping after it. The target verifies the
-    drafts in the step's one forward pass; sampler.sample_tokens applies the rule."""
+    """Drafts before a step, bookkeeping after it (the step's one pass verifies them)."""
 
-    def __init__(self, drafter, k: int, stats: dict):
+    def __init__(self, drafter, k: int, stats: dict, scheduler: Scheduler):
         self.drafter, self.k, self.stats = drafter, k, stats
+        scheduler.release_hooks.append(lambda seq: drafter.release(seq.seq_id))   # freed: the draft cache too
 
     def propose(self, running, max_len: int, fail):
-        """Up to k drafts for every decoding sequence (never past max_tokens or
-        the context: the last token is the target's). A drafter error fails
-        only the requests whose own drafts raise (retried one by one)."""
+        """Up to k drafts for every decoding sequence, never past max_tokens or the context (the last
+        token is the target's). A drafter error fails only the requests whose own drafts raise."""
         asks = []
         for seq in running:
             seq.draft_tokens, seq.draft_probs = [], None
             k = min(self.k, seq.params.max_tokens - seq.num_output - 1, max_len - len(seq.token_ids) - 1)
             if seq.remaining == 1 and k > 0:
                 asks.append((seq, (seq.seq_id, seq.token_ids, k)))
-        # a draft model samples with each request's own params and noise (sampler.draft_sampler)
         drafts = batch_then_each(lambda part: self.drafter.propose([a for _, a in part], draft_sampler(part)),
-                                 asks, fail, "drafting", ([], None))
+                                 asks, fail, "drafting", ([], None))   # draft_sampler: each request's params
         for (seq, _), (tokens, probs) in zip(asks, drafts):
             if seq.status == RUNNING:
                 seq.draft_tokens, seq.draft_probs = list(tokens), probs
@@ -277,47 +244,32 @@ class Speculation:
     def verified(self, seq, n_accepted: int, block_manager):
         """After the target's pass: keep the cache of the accepted drafts only."""
         m = len(seq.draft_tokens)
-        # K/V are valid for the fed last token and the accepted drafts; the
-        # final token (correction or bonus) is fed next step like any sample.
-        seq.num_computed = len(seq.token_ids) + n_accepted
-        block_manager.truncate(seq.seq_id, seq.num_computed)
+        seq.num_computed = len(seq.token_ids) + n_accepted    # K/V hold the fed token + accepted drafts;
+        block_manager.truncate(seq.seq_id, seq.num_computed)  # the last (correction or bonus) is fed next step
         self.drafter.rollback(seq.seq_id, seq.num_computed)
-        met = seq.request.metrics
-        met.draft_tokens, met.accepted_tokens, met.verify_steps = \
-            met.draft_tokens + m, met.accepted_tokens + n_accepted, met.verify_steps + 1
-        self.stats["draft_tokens"] += m
-        self.stats["accepted_tokens"] += n_accepted
-        self.stats["verify_steps"] += 1
+        for name, n in (("draft_tokens", m), ("accepted_tokens", n_accepted), ("verify_steps", 1)):
+            setattr(seq.request.metrics, name, getattr(seq.request.metrics, name) + n)   # this request ...
+            self.stats[name] += n                                                     # ... and the engine
         seq.draft_tokens, seq.draft_probs = [], None
 
 
-# ----------------------------------------------------------------------------
-# The engine
-# ----------------------------------------------------------------------------
-
+# --- The engine ---------------------------------------------------------------
 class LLM:
-    """Model + tokenizer + paged KV cache + scheduler + sampler.
-
-    Offline use: llm.generate(prompts, params). Online use (serve.py):
-    add_request() / step() / abort() from one engine thread.
-
-    The options, each the lesson of its own file:
-      quantization="int8"    int8 weight-only linears (quantize.py); on CPU,
-                             dtype "auto" then means bf16 activations
+    """Model + tokenizer + paged KV cache + scheduler + sampler. Offline: llm.generate(prompts,
+    params); online (serve.py): add_request() / step() / abort() from one engine thread.
+    Options, each its own file's lesson:
+      quantization="int8"    int8 weight-only linears (quantize.py; on CPU dtype "auto" is bf16)
       kv_cache_dtype="int8"  the KV pool stores int8 + a scale per token and head
-      compile=True           steps of <= k+1 tokens per sequence (decodes,
-                             verifications) through one torch.compile'd block
-                             and padded buckets (kernels.py; CUDA graphs on a GPU)
-      speculative="ngram" | draft model directory, num_speculative_tokens=k
-      tensor_parallel_size=N every layer split over N devices (parallel.py):
-                             N-1 worker processes; llm.close() stops them
-    """
+      compile=True           steps of <= k+1 tokens per sequence through torch.compile and
+                             padded buckets (kernels.py; CUDA graphs on a GPU)
+      speculative="ngram" | draft model directory, num_speculative_tokens=k (speculative.py)
+      tensor_parallel_size=N every layer split over N devices (parallel.py); llm.close() stops them"""
 
     def __init__(self, path=None, device="auto", dtype="auto", block_size=16, kv_cache_bytes=None,
                  max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True,
                  quantization=None, kv_cache_dtype=None, compile=False, speculative=None,
                  num_speculative_tokens=4, tensor_parallel_size=1):
-        self.device, self.dtype = resolve_device_dtype(device, dtype, quantization)
+        self.device, self.dtype = checks.resolve_device_dtype(device, dtype, quantization)
         checks.check_positive_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         self.path = path or default_model_path()
         self.model, self.config, self.tp = load_engine_model(self.path, self.device, self.dtype, quantization,
@@ -330,75 +282,70 @@ class LLM:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.inputs = StepInputs(self.block_manager, self.device)
-        # The longest sequence that can ever run: the context, or the whole pool.
-        self.max_len = min(self.config.max_seq_len, num_blocks * block_size)
+        self.max_len = min(self.config.max_seq_len, num_blocks * block_size)   # the longest that can run
         self.decoder, self.compile_seconds, self.weight_layout = None, 0.0, "default"
         if compile:
             self.decoder, self.compile_seconds, self.weight_layout = make_compiled_decoder(
                 self.model, self.cache, max_num_seqs, self.max_len, block_size, scratch_block=num_blocks,
                 max_query_len=num_speculative_tokens + 1 if speculative else 1)   # verify steps: k + 1 tokens
         self.requests: dict[str, Request] = {}
-        self._request_ids = itertools.count()
-        self._rng = random.Random(0)       # seeds the unseeded requests (reproducible runs)
+        self._request_ids, self._rng = itertools.count(), random.Random(0)   # rng: seeds of unseeded requests
         self.stats = {"steps": 0, "batched_tokens": 0,     # forward passes, and tokens they processed
                       "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0}
         self.drafter = make_drafter(speculative, num_speculative_tokens, max_num_batched_tokens, self.config,
                                     self.tokenizer, num_blocks, block_size, self.device, self.dtype,
                                     lambda bm: StepInputs(bm, self.device))
         self.speculation = None if self.drafter is None else \
-            Speculation(self.drafter, num_speculative_tokens, self.stats)
-        if self.drafter is not None:    # a finished or preempted sequence leaves the draft cache too
-            self.scheduler.release_hooks.append(lambda seq: self.drafter.release(seq.seq_id))
-
-    # -- requests --------------------------------------------------------------
+            Speculation(self.drafter, num_speculative_tokens, self.stats, self.scheduler)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a prompt (a string or token ids). Raises ValueError for a bad
-        request without touching the engine's other requests."""
+        """Queue a prompt (a string or token ids); a bad request raises ValueError, touching nothing."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("params must be a SamplingParams")
-        # a string is encoded with special tokens allowed: the caller owns the whole prompt
         ids = checks.prompt_token_ids(prompt, lambda text: self.tokenizer.encode(text, allow_special=True),
-                                      self.config.vocab_size)
+                                      self.config.vocab_size)    # special tokens: the caller owns the prompt
         checks.check_prompt_length(len(ids), self.max_len,
                                    "context" if self.max_len == self.config.max_seq_len else "KV cache pool")
         checks.check_seats(params.n, self.scheduler.max_num_seqs)   # its n samples run side by side
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)   # the request's noise
         req = Request(request_id, ids, params, time.perf_counter(), seed)
-        req.seqs.append(Sequence(req, ids, 0, self.tokenizer))
+        req.seqs.append(Sequence(req, ids, 0, self.tokenizer))   # with n > 1, forked when the prompt is done
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         return request_id
 
     def abort(self, request_id: str):
         """Stop a request now and give its blocks back."""
-        req = self.requests.pop(str(request_id), None)
-        if req is not None:
-            self._finish_request(req, "abort")
+        if str(request_id) in self.requests:
+            self._finish_request(self.requests[str(request_id)], "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def _finish_request(self, req: Request, reason: str, error: str | None = None):
+    def close(self):
+        """Stop the tensor-parallel workers (also done at interpreter exit)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def _fail(self, req: Request, message: str) -> Request:
+        """A request that went wrong finishes alone: finish_reason "error", blocks freed."""
+        return self._finish_request(req, "error", message)
+
+    def _finish_request(self, req: Request, reason: str, error: str | None = None) -> Request:
+        self.requests.pop(req.request_id, None)
         for seq in req.seqs:
             if seq.status != FINISHED:
                 self.scheduler.finish(seq)
                 seq.finish_reason = reason
         req.error = error
         req.metrics.finish_time = time.perf_counter()
-
-    def _fail(self, req: Request, message: str) -> Request:
-        """A request that went wrong finishes alone: finish_reason "error", blocks freed."""
-        self.requests.pop(req.request_id, None)
-        self._finish_request(req, "error", message)
         return req
 
-    # -- one step: schedule, forward, sample, append ----------------------------------
-
+    # -- one step: schedule, forward, sample, append --------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Returns the requests that made progress (a finished one for the last time)."""
@@ -409,15 +356,18 @@ class LLM:
         batch = []
         try:
             batch = self.scheduler.schedule()                     # 1. who runs, how many tokens each
-            if not batch:
-                self._unschedulable(fail)
+            if not batch:        # with nothing running, the oldest waiting request can never fit
+                if not self.scheduler.running and self.scheduler.waiting:     # fail it rather than spin
+                    seq = self.scheduler.waiting[0]
+                    fail(seq.request, f"request {seq.request.request_id} cannot be scheduled even in an "
+                         f"empty engine ({len(seq.token_ids)} tokens, {self.block_manager.num_blocks} blocks)")
                 return [r.output() for r in failed.values()]
             asks, rows = sample_requests(batch, self.scheduler, self.tokenizer)   # who samples, from which rows
             logits = self._forward(batch, rows)                   # 2. one pass over every scheduled token
             new = sample_isolated(logits, asks, fail)             # 3. one wait for the device
         except Exception as e:                                    # no single request explains it
             print(f"nanoinfer: engine step failed: {e!r}", file=sys.stderr)
-            self.block_manager.pending_copies.clear()
+            self.block_manager.pending_copies.clear()         # its requests fail: drop their copies
             for seq in [it.seq for it in batch] if batch else list(self.scheduler.running):
                 fail(seq.request, f"engine step failed: {e!r}")
             if isinstance(e, TensorParallelError):    # a lost worker: nothing can run any more
@@ -425,45 +375,28 @@ class LLM:
             return [r.output() for r in failed.values()]
         return self._append_all(batch, asks, new, fail, failed)   # 4. append, stop, report
 
-    def _unschedulable(self, fail):
-        """Nothing could run although requests wait: with nothing running, the
-        oldest waiting request can never fit. Fail it rather than spin."""
-        if not self.scheduler.running and self.scheduler.waiting:
-            seq = self.scheduler.waiting[0]
-            fail(seq.request, f"request {seq.request.request_id} cannot be scheduled even in an empty "
-                              f"engine ({len(seq.token_ids)} tokens, {self.block_manager.num_blocks} blocks)")
-
     def _forward(self, batch: list[ScheduledSeq], logits_rows: list[int]):
         """One forward pass over the flat batch of every scheduled token."""
         copies = list(self.block_manager.pending_copies)
         apply_pending_copies(self.cache, self.block_manager)     # copy-on-write before anyone writes
         N = sum(item.count for item in batch)
-        all_rows = logits_rows == list(range(N))
-        hb = self.inputs.host([(it.seq.seq_id, it.tokens, it.start) for it in batch],
-                              None if all_rows else logits_rows)
+        select = None if logits_rows == list(range(N)) else logits_rows     # None: every row's logits
+        hb = self.inputs.host([(it.seq.seq_id, it.tokens, it.start) for it in batch], select)
         if self.decoder is not None and self.decoder.fits(hb.query_lens):   # decodes, verifications
             return self.decoder(hb.input_ids, hb.positions, hb.slot_mapping, self.inputs.tables[hb.rows],
-                                hb.query_lens, None if all_rows else logits_rows)
+                                hb.query_lens, select)
         input_ids, positions, ctx = self.inputs.device(hb, self.cache)
         if self.tp is not None:            # every rank runs its slice; rank 0 gets the gathered logits
             return self.tp.forward(input_ids, positions, ctx, copies=copies)
         return self.model(input_ids, positions, ctx)             # [len(logits_rows), V]
 
-    def close(self):
-        """Stop the tensor-parallel workers (also done at interpreter exit)."""
-        if self.tp is not None:
-            self.tp.close()
-
     def _append_all(self, batch, asks, new, fail, failed) -> list[RequestOutput]:
-        """Append every sequence's new tokens; an error in one (its text, its
-        stop strings, non-finite logits) fails only its request."""
+        """Append each sequence's new tokens; an error in one (its text, its logits) fails it alone."""
         for item in batch:
-            item.seq.num_computed = item.start + item.count
-            if item.seq.status != RUNNING:         # its request failed in this step: blocks freed
-                continue
-            if not item.seq.draft_tokens:          # register full prompt blocks now: a request that
-                self.block_manager.cache_full_blocks(   # ends this step must still leave its prefix
-                    item.seq.seq_id, item.seq.token_ids, item.seq.num_computed)
+            seq = item.seq
+            seq.num_computed = item.start + item.count
+            if seq.status == RUNNING and not seq.draft_tokens:   # prompt blocks now: kept even if it ends
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
         for (seq, ask), (tokens, logprobs, finite) in zip(asks, new):
             try:
                 if seq.status != RUNNING:
@@ -482,18 +415,16 @@ class LLM:
         for seq in [item.seq for item in batch] + [seq for seq, _ in asks]:
             if seq.status == RUNNING:              # full blocks become reusable prefixes
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+            elif seq.request.finished:
+                self.requests.pop(seq.request.request_id, None)
             touched[seq.request.request_id] = seq.request
         self.stats["steps"] += 1
         self.stats["batched_tokens"] += sum(item.count for item in batch)
-        for req in touched.values():
-            if req.finished:
-                self.requests.pop(req.request_id, None)
         return [req.output() for req in touched.values()]
 
-    # Stop conditions are checked token by token, so that a speculative step that
-    # accepted several tokens still stops exactly where plain decoding would.
     def _append(self, seq: Sequence, token: int, logprob=None):
-        """Add a sampled token; finish the sequence if it hit a stop condition."""
+        """Add a sampled token; finish the sequence if it hit a stop condition. Checked token
+        by token, so a speculative step stops exactly where plain decoding would."""
         metrics = seq.request.metrics
         metrics.output_tokens += 1
         if metrics.first_token_time is None:
@@ -505,35 +436,23 @@ class LLM:
             if seq.request.finished:
                 metrics.finish_time = time.perf_counter()
 
-    # -- offline API ---------------------------------------------------------------
-
     def generate(self, prompts, params: SamplingParams | list | None = None) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in input order.
-
-        Every prompt is validated before any is queued, so a bad one raises
-        ValueError (naming its index) and nothing is left behind in the engine.
-        If anything interrupts the loop (an exception, Ctrl-C), this call's
-        requests are aborted: nothing keeps running or holding blocks.
-        """
+        """Run prompts (strings or token-id lists) to completion; outputs in input order. A bad
+        prompt raises ValueError naming its index; an interrupted call aborts its requests."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = []
+        ids, final = [], {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(self.add_request(prompt, p))
-        except (ValueError, TypeError) as e:
-            for rid in ids:
-                self.abort(rid)
-            raise type(e)(f"prompt {i}: {e}") from None
-        final = {}
-        try:
+                try:
+                    ids.append(self.add_request(prompt, p))
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"prompt {i}: {e}") from None
             while len(final) < len(ids):
-                for out in self.step():
-                    if out.finished:
-                        final[out.request_id] = out
+                final.update((out.request_id, out) for out in self.step() if out.finished)
         except BaseException:
             for rid in ids:
                 self.abort(rid)
@@ -541,14 +460,10 @@ class LLM:
         return [final[rid] for rid in ids]
 
 
-# ----------------------------------------------------------------------------
-# Building an engine: the model, the KV pool, the compiled path, the drafter
-# ----------------------------------------------------------------------------
-
+# --- Building an engine: the model, the KV pool, the compiled path -----------
 def load_engine_model(path, device, dtype, quantization, tensor_parallel_size: int, compile: bool):
-    """The model the engine runs: (model, config, tp). tp is None for one
-    device; with N > 1 this process is rank 0 of a parallel.py group whose
-    workers hold the other slices, and model is rank 0's slice."""
+    """(model, config, tp). tp is None on one device; with N > 1 this process is rank 0 of a
+    parallel.py group whose workers hold the other slices, and model is rank 0's slice."""
     tp = None
     if tensor_parallel_size != 1:
         if compile:
@@ -567,40 +482,30 @@ def load_engine_model(path, device, dtype, quantization, tensor_parallel_size: i
 
 def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cache_dtype, scratch: int,
                  allocate=None):
-    """The KV pool: as many blocks as the byte budget allows (the lecture's formula).
-
-    Sizing the pool is the central memory trade-off of serving: every byte
-    given to the KV cache is a byte more of concurrent context. `scratch`
-    extra blocks are kept out of the block manager's hands (kernels.py:
-    padded rows of a compiled step write there). Returns (cache, usable blocks).
-    With tensor parallelism cfg is one rank's shard (its KV heads) and
-    allocate(num_blocks) makes every rank's pool: the same budget per device
-    holds N times the tokens.
-    """
+    """The KV pool: as many blocks as the byte budget allows; returns (cache, usable blocks).
+    The central memory trade-off of serving: every byte given to the KV cache is more
+    concurrent context. With tensor parallelism cfg is one rank's shard and allocate(num_blocks)
+    makes every rank's pool: the same budget per device holds N times the tokens."""
     # bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value (+ int8's scales)
     per_token = int8_kv_cache_bytes(cfg) if kv_cache_dtype == "int8" else kv_cache_bytes(cfg, dtype)
-    if budget is None:
-        if device.type == "cuda":  # pragma: no cover (CUDA: most of what the weights left free)
-            budget = int(0.8 * torch.cuda.mem_get_info(device)[0])
-        else:
-            budget = 1 << 30            # 1 GiB on CPU; set kv_cache_bytes to change it
+    if budget is None:     # CUDA: most of what the weights left free; CPU: 1 GiB (set kv_cache_bytes)
+        budget = int(0.8 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 1 << 30
     num_blocks = num_blocks_for_budget(per_token, block_size, budget)
     if num_blocks < 1 + scratch:
         raise ValueError(f"kv_cache_bytes={budget} is too small for {1 + scratch} block(s) of "
                          f"{block_size} tokens ({per_token * block_size} bytes each)")
     cache = allocate(num_blocks) if allocate else \
         make_kv_cache(cfg, num_blocks, block_size, kv_cache_dtype, device, dtype)   # model dtype or int8
-    value = f"(1 B + 4/{cfg.head_dim} B of scale)" if kv_cache_dtype == "int8" else f"{torch.finfo(dtype).bits // 8} B"
+    value = f"(1 B + 4/{cfg.head_dim} B of scale)" if kv_cache_dtype == "int8" else f"{dtype.itemsize} B"
     print(f"nanoinfer: KV cache {num_blocks - scratch} blocks x {block_size} tokens = "
           f"{(num_blocks - scratch) * block_size} tokens; {per_token} B/token = 2*{cfg.n_layers} layers*"
           f"{cfg.n_kv_heads} kv heads*{cfg.head_dim} dims*{value}; {cache.total_bytes / 2**20:.1f} MiB allocated")
-    return cache, num_blocks - scratch
+    return cache, num_blocks - scratch     # scratch blocks: a compiled step's padded rows (kernels.py)
 
 
 def make_compiled_decoder(model, cache, max_num_seqs: int, max_len: int, block_size: int, scratch_block: int,
                           max_query_len: int = 1):
-    """compile=True: decode steps (and, with speculation, verification steps of
-    up to max_query_len tokens per sequence) through torch.compile
+    """compile=True: steps of <= max_query_len tokens per sequence through torch.compile
     (kernels.py), every bucket compiled now rather than in the middle of serving."""
     layout = choose_weight_layout(model)
     decoder = CompiledDecoder(model, cache, max_num_seqs, math.ceil(max_len / block_size), scratch_block,

@@ -12,17 +12,14 @@ or the one token sampled last step (decode) -- and, once the cache holds
 them all, samples the next token. Preemption (scheduler.py) just sets
 num_computed back to 0: the tokens survive, their cache is recomputed.
 
-Text goes out as it is made. Token ids become text incrementally (a
-character can span tokens: tokenizer.IncrementalDecoder), and text that
-might still turn into a stop string is held back (sampler.StopStrings), so
-a client that concatenates every step's `new_text` gets exactly the final
-text. A request with n > 1 samples is n sequences that share the prompt's
-KV blocks (copy-on-write, cache.py).
+Text goes out as it is made: token ids become text incrementally (a
+character can span tokens: tokenizer.IncrementalDecoder), and text that might
+still become a stop string is held back (sampler.StopStrings). A request with
+n > 1 samples is n sequences sharing the prompt's KV blocks (cache.py).
 
 Place in the data flow: LLM.add_request makes a Request and its first
-Sequence; the Scheduler moves sequences between waiting and running;
-LLM.step appends each sampled token here (part 4 of the step) and reports
-a RequestOutput per request that made progress.
+Sequence, the Scheduler moves sequences between waiting and running, and
+LLM.step appends each sampled token here (part 4) and reports RequestOutputs.
 """
 from __future__ import annotations
 
@@ -57,15 +54,11 @@ class RequestMetrics:
 
 
 class Completion:
-    """One sample of a request, as of the step that reported it.
-
-    new_text / new_token_ids / new_logprobs: what this step added (a stream
-    sends exactly these; stop-string hold-back is already applied, so the
-    concatenation of every new_text is the final text). text / token_ids /
-    logprobs: everything so far, read lazily. A sequence's token list and
-    text pieces only ever grow, so a snapshot is just their lengths at that
-    moment: O(new tokens) per step, never the whole text rebuilt.
-    """
+    """One sample of a request, as of the step that reported it. new_text /
+    new_token_ids / new_logprobs: what this step added (a stream sends exactly
+    these; all new_text joined is the final text). text / token_ids / logprobs:
+    everything so far, read lazily: token ids and text pieces only grow, so a
+    snapshot is just their lengths then, O(new tokens) per step."""
 
     def __init__(self, seq: "Sequence", new_text: str, new_token_ids: list, new_logprobs):
         self._seq, self.index, self.finish_reason = seq, seq.index, seq.finish_reason
@@ -82,8 +75,7 @@ class Completion:
 
     @property
     def logprobs(self):             # per token: (logprob, {alternative id: logprob}), or None
-        lps = self._seq.logprobs
-        return None if lps is None else lps[:self._tokens]
+        return None if self._seq.logprobs is None else self._seq.logprobs[:self._tokens]
 
 
 @dataclass
@@ -96,17 +88,9 @@ class RequestOutput:
     error: str | None = None        # why the request failed (finish_reason "error")
 
     # The common case (n == 1) reads like one completion: outs[i].text
-    @property
-    def text(self):
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self):
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self):
-        return self.outputs[0].finish_reason
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
 
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -131,22 +115,14 @@ class Request:
 
 
 class Sequence:
-    """One stream of tokens with its place in the KV cache.
-
-    token_ids = prompt + generated so far. num_computed = how many of them
-    have K/V in the cache. Each step feeds token_ids[num_computed:] (a
-    prefill chunk, or the 1 token sampled last step) and, once the cache
-    holds them all, samples the next token.
-    """
+    """One stream of tokens (token_ids, num_computed: see above), its text and stop conditions."""
     _ids = itertools.count()
 
     def __init__(self, request: Request, token_ids: list, index: int, tokenizer):
         self.seq_id = next(Sequence._ids)
         self.request, self.params, self.index = request, request.params, index
         self.token_ids = list(token_ids)
-        self.num_prompt = len(request.prompt_ids)
-        self.num_computed = 0
-        self.status = WAITING
+        self.num_prompt, self.num_computed, self.status = len(request.prompt_ids), 0, WAITING
         self.key = sample_key(request.seed, index)          # its counter-based noise (sampler)
         self.draft_tokens: list[int] = []        # proposed this step (speculative decoding)
         self.draft_probs = None                  # their draft distributions [k, V] (None: one-hot)
@@ -168,9 +144,8 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     def add_text(self, delta: str) -> bool:
-        """Stream newly decoded text through the stop strings. Releases what can
-        no longer change into self.pieces; returns True if a stop string
-        completed (the text is then cut just before it)."""
+        """Stream decoded text through the stop strings; what can no longer change goes to
+        self.pieces. True if a stop string completed (the text is cut just before it)."""
         text = self.pending + delta
         hit = self.stops.feed(delta) if self.stops else None
         if hit is not None:
@@ -184,8 +159,7 @@ class Sequence:
         return hit is not None
 
     def append(self, token: int, logprob, eos_token_id, max_len: int) -> str | None:
-        """Add a token, stream its text, and return why the sequence stops
-        ("stop" | "length") or None."""
+        """Add a token, stream its text; returns why the sequence stops ("stop" | "length") or None."""
         self.token_ids.append(token)
         if self.logprobs is not None:
             self.logprobs.append(logprob)

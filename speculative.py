@@ -1,31 +1,27 @@
 """
 speculative.py -- draft, verify, and exact rejection sampling.
 
-The lesson: a decode step is memory-bound, so feeding the target model k+1
-tokens costs about as much as feeding it 1 (the weights are read once either
-way). If a cheap drafter guesses the next k tokens, the target checks them
-all in ONE pass, like a short prefill, and keeps the longest prefix it agrees
-with: every pass yields 1 (the target's own next token) to k+1 tokens.
+The lesson: a decode step is memory-bound, so feeding the target model k+1 tokens costs
+about as much as feeding it 1 (the weights are read once either way). If a cheap drafter
+guesses the next k tokens, the target checks them all in ONE pass, like a short prefill,
+and keeps the longest prefix it agrees with: every pass yields 1 to k+1 tokens.
 
-The rule that keeps the target's distribution EXACTLY (Leviathan et al. 2023,
-Chen et al. 2023), with target probabilities q and draft probabilities p:
+The rule that keeps the target's distribution EXACTLY (Leviathan et al. 2023, Chen et al.
+2023), with target probabilities q and draft probabilities p:
     accept draft token x with probability min(1, q(x) / p(x));
     at the first rejection, sample a replacement from normalize(max(q - p, 0))
     and stop; if all k are accepted, sample a bonus token from q at k+1.
 (Why: P(output = x) = p(x) min(1, q/p) + P(reject) * residual(x) = q(x).)
-Greedy decoding is the special case where q and p are one-hot: accept while
-the draft equals the target's argmax, then emit the argmax.
-With an acceptance rate a per token, a pass yields (1 - a^(k+1)) / (1 - a)
-tokens on average; if a draft token costs r target passes, the expected
-speedup is (k*a + 1) / (1 + k*r) in the lecture's simplified form.
+Greedy decoding is the special case where q and p are one-hot: accept while the draft
+equals the target's argmax, then emit the argmax. With an acceptance rate a per token, a
+pass yields (1 - a^(k+1)) / (1 - a) tokens on average; if a draft token costs r target
+passes, the expected speedup is (k*a + 1) / (1 + k*r) in the lecture's simplified form.
 
-Place in the data flow: LLM.step() (scheduler.py) asks a drafter for up to k
-tokens per decoding sequence, runs the target once over 1 + k query tokens
-each, verifies all sequences' k+1 rows at once (rejection_sample_batched, via
-sampler.py), appends the accepted tokens and truncates the KV cache past
-them. This file knows nothing of the scheduler: only token lists, tensors,
-and the paged cache of a draft model (scheduler.Speculation is the engine's
-side: drafts before a step, bookkeeping after it).
+Place in the data flow: LLM.step() (scheduler.py; scheduler.Speculation is the engine's
+side) asks a drafter for up to k tokens per decoding sequence, runs the target once over
+1 + k query tokens each, verifies all k+1 rows at once (rejection_sample_batched, via
+sampler.py) and truncates the KV caches past the accepted tokens. This file knows only
+token lists, tensors, and a draft model's paged cache.
 """
 from __future__ import annotations
 
@@ -42,13 +38,10 @@ MAX_SPECULATIVE_TOKENS = 16
 
 # --- The rejection rule ------------------------------------------------------
 def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) -> list[int]:
-    """Accept a prefix of the draft and add one token of the target's own.
-
-    target_probs [k+1, V], draft_probs [k, V], draft_tokens [k] -> 1..k+1 tokens:
-    the readable one-sequence rule (the engine runs rejection_sample_batched,
-    which the tests hold to it). Randomness: k uniforms for the acceptance
-    tests, then one torch.multinomial draw, all from `generator`.
-    """
+    """Accept a prefix of the draft and add one token of the target's own: target_probs
+    [k+1, V], draft_probs [k, V], draft_tokens [k] -> 1..k+1 tokens. The readable
+    one-sequence rule (the engine runs rejection_sample_batched; the tests hold it to this
+    one): k uniforms for the acceptance tests, then one multinomial, from `generator`."""
     # assignment: rejection-sampling
     k = len(draft_tokens)
     u = torch.rand(k, generator=generator, device=target_probs.device)
@@ -60,8 +53,7 @@ def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) ->
             out.append(x)
             continue
         residual = (target_probs[i] - draft_probs[i]).clamp(min=0)
-        # q == p leaves nothing to resample from: then rejection had probability 0
-        # in exact arithmetic; fall back on q itself.
+        # q == p leaves nothing to resample from (rejection had probability 0): keep q
         final = residual if residual.sum() > 0 else target_probs[i]
         return out + [int(torch.multinomial(final, 1, generator=generator))]
     return out + [int(torch.multinomial(target_probs[k], 1, generator=generator))]
@@ -69,21 +61,16 @@ def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) ->
 
 
 def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts, accept_u):
-    """The same rule for B sequences at once; sequence b has num_drafts[b] drafts.
-
-    target_probs [B, K+1, V]; draft_probs [B, K, V], or None for a deterministic
-    drafter (n-gram: each draft has probability 1, so p = one-hot); draft_tokens
-    [B, K] and accept_u [B, K] uniforms (padded); num_drafts [B] tensor.
-    Returns (num_accepted [B], final [B, V]): the accepted prefix length and
-    the (unnormalized) distribution of the one extra token: the residual
-    max(q - p, 0) at the first rejection, or the target's next row (the bonus
-    token). The caller draws it with the engine's counter-based noise.
-    K = 0 is plain sampling: nothing to accept, final = target_probs[:, 0].
+    """The same rule for B sequences at once; sequence b has num_drafts[b] drafts:
+    target_probs [B, K+1, V]; draft_probs [B, K, V], or None for a deterministic drafter
+    (n-gram: p is one-hot); draft_tokens [B, K], accept_u [B, K] uniforms (padded);
+    num_drafts [B] tensor. Returns (num_accepted [B], final [B, V]): the accepted prefix
+    length and the unnormalized distribution of the extra token, max(q - p, 0) at the
+    first rejection or else the target's next row (the bonus), which the caller draws
+    with its counter-based noise. K = 0 is plain sampling: final = target_probs[:, 0].
     """
-    B, K1, V = target_probs.shape
-    K = K1 - 1
-    rows = torch.arange(B, device=target_probs.device)
-    n_acc = torch.zeros(B, dtype=torch.long, device=target_probs.device)
+    B, K, dev = target_probs.shape[0], target_probs.shape[1] - 1, target_probs.device
+    rows, n_acc = torch.arange(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     if K:
         # assignment: rejection-sampling
         idx = draft_tokens.long().clamp(min=0)[..., None]                  # [B, K, 1]
@@ -111,10 +98,9 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
 
 # --- Drafters: propose(requests) -> [(draft tokens, draft probs or None)] ----
 class NgramDrafter:
-    """Prompt lookup: if the last n tokens occurred earlier in this sequence,
-    guess that what followed them then follows them now. No model at all;
-    drafts are deterministic (draft probabilities one-hot). It shines when
-    the output copies its input: editing, summarizing, code refactoring."""
+    """Prompt lookup: if the last n tokens occurred earlier in this sequence, guess that what
+    followed them then follows them now. No model; drafts are deterministic (p one-hot).
+    It shines when the output copies its input: editing, summarizing, refactoring code."""
 
     def __init__(self, n_max: int = 4, n_min: int = 1):
         self.n_max, self.n_min = n_max, n_min
@@ -143,14 +129,11 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """A smaller model with the same tokenizer drafts k tokens autoregressively.
-
-    It keeps its own paged KV cache (its own BlockManager over the same
-    sequence ids), so each draft step feeds only new tokens, built by
-    make_inputs(block_manager): the engine's kernels.StepInputs, the same
-    vectorized path. After the target verifies, rollback() truncates the
-    draft cache to the tokens that survived, as the engine truncates the target's.
-    """
+    """A smaller model with the same tokenizer drafts k tokens autoregressively. It keeps
+    its own paged KV cache (its own BlockManager over the same sequence ids), so each draft
+    step feeds only new tokens, through the engine's vectorized kernels.StepInputs
+    (make_inputs(block_manager)). After the target verifies, rollback() truncates the
+    draft cache to the surviving tokens, as the engine truncates the target's."""
 
     def __init__(self, model, num_blocks: int, block_size: int, device, dtype, make_inputs):
         self.model, self.device = model, device
@@ -161,9 +144,8 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(self, requests, sample_fn):
-        """requests: (seq_id, token_ids, k); sample_fn(logits [R, V], request indices,
-        step) -> (tokens [R], probs [R, V]) applies each request's own sampling
-        params. Returns [(tokens, probs [len(tokens), V])] per request."""
+        """requests: (seq_id, token_ids, k) -> [(tokens, probs [len(tokens), V])]; sample_fn(logits
+        [R, V], request indices, step) -> (tokens [R], probs [R, V]), with each one's params."""
         out = [([], []) for _ in requests]
         # Step 0 feeds what the draft cache lacks (usually 1-2 tokens); then the last draft.
         feed = {i: tokens[self.computed.get(sid, 0):] for i, (sid, tokens, k) in enumerate(requests) if k > 0}

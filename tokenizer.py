@@ -7,19 +7,16 @@ The lesson: text enters the model as integers. A byte-level BPE tokenizer
   2. turns each word into its UTF-8 bytes, one token per byte;
   3. repeatedly merges the adjacent pair whose merged bytes have the lowest
      rank (the order the merges were learned in) until no merge applies.
-Decoding is just concatenating each token's bytes and decoding UTF-8 (an
-id beyond the vocabulary, which a "random:" Llama 3 preset samples, decodes
-to the placeholder U+FFFD).
+Decoding is just concatenating each token's bytes and decoding UTF-8.
 
 Place in the data flow: `encode` turns a prompt into the token ids a
-`Sequence` starts from; `IncrementalDecoder` turns the ids the engine
-samples back into text as they arrive (streaming) without ever emitting
-half a UTF-8 character; `apply_chat_template` wraps chat messages into the
-prompt format the instruct model was trained on.
+`Sequence` starts from; `IncrementalDecoder` turns the sampled ids back into
+text as they arrive (streaming), never emitting half a UTF-8 character;
+`apply_chat_template` wraps chat messages into the instruct model's prompt format.
 
-tiktoken does steps 1-3 in Rust; we only hand it the vocabulary (bytes ->
-rank) and the regex, both read from a Hugging Face `tokenizer.json` by
-support/checkpoint.py. This file imports no other file of the tour.
+tiktoken does steps 1-3 in Rust; we hand it the vocabulary (bytes -> rank) and
+the regex, read from a Hugging Face `tokenizer.json` by support/checkpoint.py.
+This file imports no other file of the tour.
 """
 from __future__ import annotations
 
@@ -35,15 +32,12 @@ from support import checkpoint
 # space, numbers, punctuation runs, and whitespace (a run keeps its last
 # space for the next word: "  hi" -> " ", " hi").
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# SmolLM2 splits every digit on its own BEFORE the GPT-2 regex. Folded into
-# one regex: a single \p{N} comes first, and since digits are already cut
-# out, a whitespace run before a digit keeps all its spaces.
+# SmolLM2 splits every digit on its own BEFORE the GPT-2 regex. Folded into one regex: a single
+# \p{N} comes first, and as digits are already cut out, whitespace before a digit keeps all its spaces.
 DIGITS_THEN_GPT2_PATTERN = (r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"
                             r"|\s+(?![^\s\p{N}])|\s+")
-# What an id beyond the vocabulary decodes to: U+FFFD, Unicode's replacement
-# character, which decode already gives for bytes that are not valid UTF-8.
-# One character per unknown id, so the output's length still counts tokens,
-# and every consumer (terminals, JSON, stop strings) handles it already.
+# What an id beyond the vocabulary decodes to: U+FFFD, as invalid UTF-8 does. One character
+# per unknown id, so the length still counts tokens, and every consumer handles it already.
 PLACEHOLDER = "\ufffd"
 
 
@@ -65,16 +59,14 @@ class Tokenizer:
                  chat_template: str | None = None):
         u2b = _unicode_to_byte()
         ranks = {bytes(u2b[ch] for ch in tok): i for tok, i in vocab.items() if tok not in specials}
-        # tiktoken merges the pair whose concatenation has the lowest rank, so
-        # rank must follow the order the merges were learned in. Hugging Face
-        # byte-level vocabularies assign ids in that order, so rank = id.
+        # tiktoken merges the pair whose concatenation has the lowest rank: the merges' learned
+        # order, which Hugging Face byte-level vocabularies number their ids in, so rank = id.
         self.vocab_size = max([*vocab.values(), *specials.values()]) + 1
         self.ranks, self.pattern = ranks, pattern
         self.enc = tiktoken.Encoding("nanoinfer", pat_str=pattern, mergeable_ranks=ranks,
                                      special_tokens=specials)
-        # Some byte values have no token at all (SmolLM2 lacks 21 of them, e.g.
-        # 0x04 and the UTF-8 lead byte 0xF1). tiktoken panics on those, so text
-        # containing one takes the slow path in encode(), which drops the byte
+        # Some bytes have no token (SmolLM2 lacks 21, e.g. 0x04 and the UTF-8 lead byte 0xF1);
+        # tiktoken panics on them, so such text takes encode()'s slow path, which drops them
         # before merging, as the reference tokenizer does.
         self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
         self.specials = specials
@@ -94,17 +86,15 @@ class Tokenizer:
     # -- encode / decode ------------------------------------------------------
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """Text -> token ids. Special-token strings in `text` ("<|im_end|>") are
-        plain text unless allow_special=True: a user must not be able to
-        inject control tokens into someone else's template."""
+        """Text -> token ids. Special-token strings ("<|im_end|>") are plain text unless
+        allow_special=True: a user must not inject control tokens into someone's template."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         utf8 = text.encode("utf-8", errors="surrogatepass")
         if len(utf8.translate(None, self.missing_bytes)) == len(utf8):   # the usual case: all in Rust
             return self.enc.encode(text, allowed_special="all" if allow_special else set(),
                                    disallowed_special=())
-        # Slow path, same three steps in Python: split off special tokens,
-        # regex-split into pieces, drop unrepresentable bytes, merge with BPE.
+        # Slow path in Python: split off specials, regex-split, drop missing bytes, merge with BPE.
         ids = []
         specials = "|".join(map(re.escape, self.specials)) if allow_special and self.specials else None
         for i, chunk in enumerate(re.split(f"({specials})", text) if specials else [text]):
@@ -131,12 +121,9 @@ class Tokenizer:
         # end assignment
 
     def token_bytes(self, token_id: int) -> bytes:
-        """One token's bytes; an id this vocabulary lacks gives PLACEHOLDER's bytes.
-
-        Such ids are legal model outputs, not errors: a "random:" Llama 3
-        preset (model.py) samples from 128256 ids and is read with the
-        default model's 49152-token tokenizer. Negative ids are a bug: ValueError.
-        """
+        """One token's bytes; an id this vocabulary lacks gives PLACEHOLDER's bytes (a legal
+        output: a "random:" Llama 3 preset samples 128256 ids, read with a 49152-token
+        tokenizer). Negative ids are a bug: ValueError."""
         if token_id < 0:
             raise ValueError(f"token ids are non-negative, got {token_id}")
         try:
@@ -145,8 +132,7 @@ class Tokenizer:
             return PLACEHOLDER.encode("utf-8")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Token ids -> text. Bytes that are not valid UTF-8 become U+FFFD, and
-        so does each id beyond the vocabulary (PLACEHOLDER, see token_bytes)."""
+        """Token ids -> text; invalid UTF-8 and ids beyond the vocabulary become U+FFFD."""
         ids = list(ids)
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.id_to_special]
@@ -180,12 +166,9 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False):
-        """Messages -> prompt string (or token ids with tokenize=True).
-
-        The string form must be encoded with allow_special=True. The token
-        form encodes each message's content as plain text, so special-token
-        strings inside a message cannot act as control tokens.
-        """
+        """Messages -> prompt string (encode it with allow_special=True), or token ids with
+        tokenize=True: each content then encoded as plain text, so special-token strings
+        inside a message cannot act as control tokens."""
         parts = self._chat_parts(messages, add_generation_prompt)
         if not tokenize:
             return "".join(text for text, _ in parts)
@@ -199,15 +182,12 @@ class IncrementalDecoder:
     """Streaming detokenization: feed token ids one by one, get the new text.
 
     A token may end in the middle of a multi-byte UTF-8 character (emoji are
-    often split over 2-4 byte tokens). Python's incremental UTF-8 decoder
-    holds back an incomplete tail until the next bytes complete it, so the
-    concatenation of everything returned equals decode(all ids), ids beyond
-    the vocabulary included (token_bytes gives their placeholder's bytes).
-    """
+    often split over 2-4 byte tokens). Python's incremental UTF-8 decoder holds
+    back an incomplete tail until the next bytes complete it, so everything
+    returned, concatenated, equals decode(all ids)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        self.tok = tokenizer
-        self.skip = skip_special_tokens
+        self.tok, self.skip = tokenizer, skip_special_tokens
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
