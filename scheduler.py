@@ -301,13 +301,11 @@ class LLM:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a prompt (a string or token ids); a bad request raises ValueError, touching nothing."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError("params must be a SamplingParams")
-        ids = checks.prompt_token_ids(prompt, lambda text: self.tokenizer.encode(text, allow_special=True),
-                                      self.config.vocab_size)    # special tokens: the caller owns the prompt
-        checks.check_prompt_length(len(ids), self.max_len,
-                                   "context" if self.max_len == self.config.max_seq_len else "KV cache pool")
-        checks.check_seats(params.n, self.scheduler.max_num_seqs)   # its n samples run side by side
+        # a string with special tokens allowed: the caller owns the whole prompt
+        ids = self.tokenizer.encode(prompt, allow_special=True) if isinstance(prompt, str) else prompt
+        # types, the vocabulary, room to generate, n <= max_num_seqs seats: ValueError/TypeError (support/)
+        ids = checks.check_request(ids, params, SamplingParams, self.config, self.max_len,
+                                   self.scheduler.max_num_seqs)
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

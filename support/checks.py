@@ -93,16 +93,18 @@ def check_sampling_params(p) -> None:
 # Requests: the prompt, its length, its seats
 # ----------------------------------------------------------------------------
 
-def prompt_token_ids(prompt, encode, vocab_size: int) -> list[int]:
-    """A prompt (a string, or token ids) as token ids, or a clear error.
-    encode(text) -> ids is the tokenizer's (the tour's), passed in."""
-    if isinstance(prompt, str):
-        ids = encode(prompt)
-    elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
-        ids = list(prompt)
-    else:
+def check_request(ids, params, params_type, cfg, max_len: int, max_num_seqs: int) -> list[int]:
+    """What LLM.add_request checks before it queues anything: the params'
+    type, the prompt (already encoded if it was a string) as token ids in the
+    vocabulary, room to generate, and seats for its n samples. Returns the ids."""
+    if not isinstance(params, params_type):
+        raise TypeError(f"params must be a {params_type.__name__}")
+    if not (isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids)):
         raise TypeError("a prompt is a string or a list of token ids")
-    return check_token_ids(ids, vocab_size)
+    ids = check_token_ids(list(ids), cfg.vocab_size)
+    check_prompt_length(len(ids), max_len, "context" if max_len == cfg.max_seq_len else "KV cache pool")
+    check_seats(params.n, max_num_seqs)     # its n samples run side by side
+    return ids
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> list[int]:
