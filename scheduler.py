@@ -275,6 +275,8 @@ class LLM:
         self.model, self.config, self.tp = load_engine_model(self.path, self.device, self.dtype, quantization,
                                                              tensor_parallel_size, compile)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_path(self.path))
+        # The KV pool takes the memory the weights left, in blocks of the lecture's
+        # bytes per token (make_kv_pool): it bounds the batch AND the longest sequence.
         scratch = 1 if compile else 0      # kernels.py: padded rows write into a block no sequence owns
         self.cache, num_blocks = make_kv_pool(
             self.tp.config if self.tp else self.config, self.dtype, self.device, block_size, kv_cache_bytes,
@@ -349,8 +351,12 @@ class LLM:
         """Returns the requests that made progress (a finished one for the last time)."""
         failed: dict[str, Request] = {}
         fail = lambda req, msg: failed.setdefault(req.request_id, self._fail(req, msg))   # noqa: E731
+        # Drafts come first: a sequence verifying k drafts feeds k + 1 tokens this
+        # step, and the scheduler must count them against the token budget.
         if self.speculation is not None:
             self.speculation.propose(self.scheduler.running, self.max_len, fail)
+        # An error that no single request explains fails this step's requests
+        # (their blocks freed); the engine itself keeps serving the others.
         batch = []
         try:
             batch = self.scheduler.schedule()                     # 1. who runs, how many tokens each

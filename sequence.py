@@ -30,6 +30,9 @@ from sampler import StopStrings, sample_key
 from tokenizer import IncrementalDecoder
 
 
+# What serving is judged by, stamped as a request moves through the engine:
+# time to first token = queueing + prefill; the time per output token after
+# it is what decoding costs; cached tokens and preemptions say why.
 @dataclass
 class RequestMetrics:
     arrival_time: float
@@ -93,6 +96,8 @@ class RequestOutput:
     finish_reason = property(lambda self: self.outputs[0].finish_reason)
 
 
+# A sequence's life: WAITING (queued, or preempted: no blocks) -> RUNNING
+# (holds KV blocks, fed every step) -> FINISHED (its blocks given back).
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
@@ -148,6 +153,8 @@ class Sequence:
         self.pieces. True if a stop string completed (the text is cut just before it)."""
         text = self.pending + delta
         hit = self.stops.feed(delta) if self.stops else None
+        # A completed stop string ends the text just before it; otherwise keep back
+        # only the tail that could still become one (StopStrings.partial characters).
         if hit is not None:
             end, length = hit
             cut, self.pending = len(self.pending) + end - length, ""
@@ -164,6 +171,8 @@ class Sequence:
         if self.logprobs is not None:
             self.logprobs.append(logprob)
         p = self.params
+        # Checked token by token, so a speculative step that accepted several
+        # tokens stops exactly where plain decoding would have.
         hit = self.add_text(self.decoder.push(token))                    # a stop string completed
         if hit or (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
@@ -179,6 +188,8 @@ class Sequence:
 
     def snapshot(self) -> Completion:
         """This sequence as a Completion, with what changed since the last one."""
+        # Only the tokens and text pieces since the last report: a stream sends
+        # exactly these, and a step costs O(new tokens), not O(text so far).
         t0, p0 = self._reported
         n, p = self.num_output, len(self.pieces)
         self._reported = (n, p)
