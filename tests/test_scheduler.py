@@ -592,3 +592,46 @@ def test_preempted_sequence_goes_back_to_the_front_of_the_queue(real_tokenizer):
     assert [(i.seq, i.start, i.count) for i in second] == [(seqs[0], 4, 1), (seqs[1], 0, 4)], \
         "the preempted sequence must go back to the FRONT of the waiting queue, before later arrivals"
     assert list(sched.waiting) == [seqs[2], seqs[3]]
+
+
+# ---------------------------------------------------------------- the tour's rule: support/ is plumbing
+
+@pytest.mark.needs("engine", "sampler", "copy-on-write", "stop-strings")
+def test_an_engine_step_never_enters_support(tiny_path):
+    """support/ is entered only while something is built (DESIGN.md): tracing
+    every Python call of several engine steps (prefill, decodes, a stop
+    string, n = 2 forking) finds none in support/, but many in the tour."""
+    import os
+    import sys
+    llm = LLM(tiny_path, kv_cache_bytes=1 << 22)
+    llm.add_request("The capital of France is", SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=1))
+    llm.add_request([1, 2, 3], SamplingParams(max_tokens=6, stop=["e"]))
+    support = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support") + os.sep
+    entered, tour = set(), set()
+
+    def tracer(frame, event, arg):
+        path = os.path.abspath(frame.f_code.co_filename)
+        (entered if path.startswith(support) else tour).add((os.path.basename(path), frame.f_code.co_name))
+    sys.setprofile(tracer)
+    try:
+        while llm.has_unfinished_requests():
+            llm.step()
+    finally:
+        sys.setprofile(None)
+    assert ("scheduler.py", "step") in tour and ("model.py", "forward") in tour
+    assert not entered, f"LLM.step entered support/: {sorted(entered)}"
+
+
+def test_support_imports_nothing_of_the_tour():
+    """Imports run one way: the tour may use support/, never the reverse."""
+    import ast
+    import glob
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tour = {os.path.basename(f)[:-3] for f in glob.glob(os.path.join(root, "*.py"))}
+    for path in glob.glob(os.path.join(root, "support", "*.py")):
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad = [n for n in names if n.split(".")[0] in tour]
+            assert not bad, f"{os.path.relpath(path, root)} imports the tour module(s) {bad}"
