@@ -34,7 +34,7 @@ from support.checks import check_sampling_params
 class SamplingParams:
     """How to pick tokens for one request, and when to stop. Each field's range is stated
     once, in LIMITS: support/checks.py checks it for the library and the server alike."""
-    max_tokens: int = 64            # new tokens at most (per sample)
+    max_tokens: int = 64            # new tokens at most (per sample); 0: only score the prompt
     temperature: float = 0.0        # 0 = greedy (argmax); otherwise softmax(logits / T)
     top_k: int = 0                  # keep the k most likely tokens (0 = all; k >= vocab = all)
     top_p: float = 1.0              # keep the smallest set with probability >= top_p
@@ -44,10 +44,11 @@ class SamplingParams:
     ignore_eos: bool = False        # keep going past EOS (benchmarks)
     n: int = 1                      # parallel samples sharing the prompt (copy-on-write)
     logprobs: int | None = None     # None, or the chosen token's logprob + this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none): scoring
 
     # integers for a tensor or a hash fit 64 bits; counts that cost memory or time are capped
-    LIMITS = {"max_tokens": 2**31 - 1, "n": 128, "logprobs": 20, "stop": 16, "stop_chars": 1024,
-              "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1)}
+    LIMITS = {"max_tokens": 2**31 - 1, "n": 128, "logprobs": 20, "prompt_logprobs": 20, "stop": 16,
+              "stop_chars": 1024, "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1)}
     GREEDY_BELOW = 1e-5             # temperatures this small are greedy (logits / 1e-30 would overflow)
 
     def __post_init__(self):
@@ -137,17 +138,16 @@ class SampleRequest:
     draft_probs: torch.Tensor | None = None   # [len(drafts), V] of a draft model (None: one-hot)
 
 
-def sample_tokens(logits, reqs: list[SampleRequest]):
+def sample_tokens(logits, reqs: list[SampleRequest], also=()):
     """Every sequence's new tokens: a sample, or the accepted drafts + one. Sequence s
     owns logits rows row_s .. row_s + k_s (k_s drafts): plain sampling is verification
     with k = 0, one code path for both. Returns per sequence, on the host after the
-    step's single wait: (tokens, raw-logit logprobs info or None, finite: bool)."""
+    step's single wait: (tokens, raw-logit logprobs info or None, finite: bool). `also`:
+    a list of more device tensors (prompt logprobs) for that wait, replaced by their host lists."""
     S, K, dev = len(reqs), max(len(r.drafts) for r in reqs), logits.device
     n = np.array([len(r.drafts) for r in reqs])
     ridx = np.array([r.row for r in reqs])[:, None] + np.minimum(np.arange(K + 1)[None, :], n[:, None])
-    drafts = np.full((S, max(K, 1)), -1)
-    for s, r in enumerate(reqs):
-        drafts[s, :len(r.drafts)] = r.drafts
+    drafts = np.array([r.drafts + [-1] * (max(K, 1) - len(r.drafts)) for r in reqs])   # [S, max(K, 1)], -1: none
     idx, d, n_t = (torch.as_tensor(a, device=dev) for a in (ridx, drafts, n))
     best, argmax = logits.max(dim=-1)                          # [R]: greedy tokens, and a NaN/inf check
     tokens = argmax[idx]                                       # [S, K+1]: the target's argmax per position
@@ -165,7 +165,9 @@ def sample_tokens(logits, reqs: list[SampleRequest]):
     want_lp = [s for s, r in enumerate(reqs) if r.params.logprobs is not None]
     lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], max(reqs[s].params.logprobs for s in want_lp)) \
         if want_lp else []
-    host = fetch(torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1), *lp)
+    host = fetch(torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1), *lp, *also)
+    if also:
+        also[:] = host[len(host) - len(also):]
     out = [(row[:row[K + 1] + 1], None, bool(row[K + 2])) for row in host[0]]
     for j, s in enumerate(want_lp):                            # (chosen logprob, {alternative: logprob}) per token
         m, k = out[s][0], reqs[s].params.logprobs
@@ -203,9 +205,17 @@ def _sample_rows(logits, reqs, ridx, d, n):
 def _logprobs(logits, ridx, tokens, top: int):
     """Logprobs from the RAW logits (no temperature or filtering, as OpenAI and vLLM report them)."""
     logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)   # [S', K+1, V]
-    chosen = logp.gather(-1, tokens[..., None])[..., 0]
     alt = logp.topk(max(top, 1), dim=-1)
-    return [chosen, alt.values, alt.indices]
+    return [logp.gather(-1, tokens[..., None])[..., 0], alt.values, alt.indices]   # chosen, top-k values, ids
+
+
+def prompt_logprobs(logits, next_tokens: list[int], top: int) -> list:
+    """The same for prompt positions (prompt_logprobs): the LAST len(next_tokens) logits rows, each scored
+    against the prompt token after it. Only [R] + 2 x [R, top] stay on the device for the step's one wait."""
+    logp = logits[-len(next_tokens):].float().log_softmax(dim=-1)    # [R, V]: dies here, never kept
+    alt = logp.topk(max(top, 1), dim=-1)
+    nxt = torch.as_tensor(next_tokens).to(logits.device, non_blocking=True)   # a copy up, no wait
+    return [logp.gather(1, nxt[:, None])[:, 0], alt.values, alt.indices]
 
 
 def fetch(*tensors) -> list:
@@ -236,10 +246,14 @@ def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
         return out
 
 
-def sample_isolated(logits, asks, fail):
-    """sample_tokens via batch_then_each: the noise depends only on the request, so alone = batched."""
-    return batch_then_each(lambda part: sample_tokens(logits, [a for _, a in part]), asks, fail,
-                           "sampling", ([], None, True))      # skipped by the engine: its request failed
+def sample_isolated(logits, asks, fail, also=()):
+    """sample_tokens via batch_then_each: the noise depends only on the request, so alone = batched.
+    `also` rides the whole batch's wait; fetched on its own only if no batch reached one."""
+    new = batch_then_each(lambda part: sample_tokens(logits, [a for _, a in part], also if part is asks else ()),
+                          asks, fail, "sampling", ([], None, True))      # skipped by the engine: its request failed
+    if also and torch.is_tensor(also[0]):      # no asks (a step of prompt chunks only), or the batch raised
+        also[:] = fetch(*also)
+    return new
 
 
 def draft_sampler(asks):

@@ -20,7 +20,7 @@ with its Sequences, queued) -> LLM.step() until done -> RequestOutput.
 LLM.step() has four parts, and this file reads in their order:
     1. schedule   Scheduler.schedule(): which sequences run, how many tokens each
     2. forward    LLM._forward: one Transformer.forward over all N scheduled tokens
-    3. sample     sample_requests() picks logits rows; sampler.py draws or verifies
+    3. sample     sample_requests() picks logits rows (+ prompt rows to score); sampler.py draws or verifies
                   drafts, with ONE wait for the device
     4. append     LLM._append_all / Sequence.append: stop strings, EOS, max_tokens;
                   finished sequences free their blocks
@@ -44,7 +44,7 @@ from kernels import CompiledDecoder, StepInputs
 from model import default_model_path, load_model
 from parallel import TensorParallelError, TensorParallelGroup
 from quantize import int8_kv_cache_bytes, make_kv_cache, quantize_model
-from sampler import SampleRequest, SamplingParams, batch_then_each, draft_sampler, sample_isolated
+from sampler import SampleRequest, SamplingParams, batch_then_each, draft_sampler, prompt_logprobs, sample_isolated
 from sequence import FINISHED, RUNNING, WAITING, Request, RequestOutput, Sequence
 from speculative import make_drafter
 from support import checks
@@ -157,7 +157,8 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + self._seats(seq) > self.max_num_seqs:
                 break
-            cached = self.bm.allocate(seq.seq_id, seq.token_ids)     # prefix cache hits
+            cached = self.bm.allocate(seq.seq_id, seq.token_ids,     # prefix cache hits; not for a prompt
+                                      use_prefix_cache=seq.request.num_scored == seq.num_prompt)  # to score
             count = self._fit(seq, cached, min(len(seq.token_ids) - cached, budget))
             if count == 0:
                 self.bm.free(seq.seq_id)                             # no room yet: try next step
@@ -203,20 +204,27 @@ class Scheduler:
 def sample_requests(batch, scheduler, tokenizer):
     """Which sequences sample this step, from which logits rows: the last row of each sequence
     whose cache will then hold all its tokens, or all 1 + k rows of a verification. A prompt
-    of a request with n > 1 forks here (copy-on-write)."""
-    asks, rows, end = [], [], 0
+    of a request with n > 1 forks here (copy-on-write). Then the rows of the prompt positions
+    a request scores (prompt_logprobs), after all those: scored = [(request, first entry, count)]."""
+    asks, rows, scored, prompt_rows, end = [], [], [], [], 0
     for item in batch:
-        seq = item.seq
+        seq, req = item.seq, item.seq.request
+        # position p scores prompt token p + 1: this chunk's positions not scored yet (a recompute skips them)
+        first, last = max(item.start, req.num_scored - 1), min(item.start + item.count, seq.num_prompt - 1)
+        if first < last:
+            scored.append((req, first + 1, last - first))
+            prompt_rows += range(end + first - item.start, end + last - item.start)
         end += item.count                      # this sequence's tokens end here in the flat batch
         if seq.draft_tokens:
             asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
                                             seq.num_output, seq.draft_probs)))
             rows += range(end - item.count, end)
         elif item.start + item.count == len(seq.token_ids):
-            for s in [seq] + scheduler.fork(seq, item.start + item.count, tokenizer):   # children share the row
-                asks.append((s, SampleRequest(len(rows), [], s.params, s.key, s.num_output)))
-            rows.append(end - 1)
-    return asks, rows
+            forked = [seq] + scheduler.fork(seq, item.start + item.count, tokenizer)   # children share the row
+            if seq.params.max_tokens:          # max_tokens=0 only scores its prompt: nothing to sample
+                asks += [(s, SampleRequest(len(rows), [], s.params, s.key, s.num_output)) for s in forked]
+                rows.append(end - 1)
+    return asks, rows + prompt_rows, scored
 
 
 class Speculation:
@@ -270,7 +278,7 @@ class LLM:
                  quantization=None, kv_cache_dtype=None, compile=False, speculative=None,
                  num_speculative_tokens=4, tensor_parallel_size=1):
         self.device, self.dtype = checks.resolve_device_dtype(device, dtype, quantization)
-        checks.check_positive_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        checks.check_engine_options(max_num_seqs, max_num_batched_tokens, compile, tensor_parallel_size)
         self.path = path or default_model_path()
         self.model, self.config, self.tp = load_engine_model(self.path, self.device, self.dtype, quantization,
                                                              tensor_parallel_size, compile)
@@ -366,9 +374,16 @@ class LLM:
                     fail(seq.request, f"request {seq.request.request_id} cannot be scheduled even in an "
                          f"empty engine ({len(seq.token_ids)} tokens, {self.block_manager.num_blocks} blocks)")
                 return [r.output() for r in failed.values()]
-            asks, rows = sample_requests(batch, self.scheduler, self.tokenizer)   # who samples, from which rows
+            asks, rows, scored = sample_requests(batch, self.scheduler, self.tokenizer)   # who samples, which rows
             logits = self._forward(batch, rows)                   # 2. one pass over every scheduled token
-            new = sample_isolated(logits, asks, fail)             # 3. one wait for the device
+            lp = prompt_logprobs(logits, [t for r, i, n in scored for t in r.prompt_ids[i:i + n]],
+                                 max(r.params.prompt_logprobs for r, _, _ in scored)) if scored else ()
+            new = sample_isolated(logits, asks, fail, lp)         # 3. one wait for the device (lp's too)
+            per_row = zip(*lp)                                    # (logprob, top values, their ids) per row
+            for req, first, count in scored:
+                k, req.num_scored = req.params.prompt_logprobs, first + count
+                req.prompt_logprobs[first:first + count] = [(c, dict(zip(i[:k], v[:k])))
+                                                            for c, v, i in itertools.islice(per_row, count)]
         except Exception as e:                                    # no single request explains it
             print(f"nanoinfer: engine step failed: {e!r}", file=sys.stderr)
             self.block_manager.pending_copies.clear()         # its requests fail: drop their copies
@@ -401,6 +416,8 @@ class LLM:
             seq.num_computed = item.start + item.count
             if seq.status == RUNNING and not seq.draft_tokens:   # prompt blocks now: kept even if it ends
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+                if not seq.params.max_tokens and seq.remaining == 0:     # scored its prompt: done
+                    self._finish_request(seq.request, "length")
         for (seq, ask), (tokens, logprobs, finite) in zip(asks, new):
             try:
                 if seq.status != RUNNING:
@@ -431,8 +448,7 @@ class LLM:
         by token, so a speculative step stops exactly where plain decoding would."""
         metrics = seq.request.metrics
         metrics.output_tokens += 1
-        if metrics.first_token_time is None:
-            metrics.first_token_time = time.perf_counter()
+        metrics.first_token_time = metrics.first_token_time or time.perf_counter()
         reason = seq.append(token, logprob, self.tokenizer.eos_token_id, self.max_len)
         if reason is not None:
             seq.finish_reason = reason
@@ -443,11 +459,7 @@ class LLM:
     def generate(self, prompts, params: SamplingParams | list | None = None) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion; outputs in input order. A bad
         prompt raises ValueError naming its index; an interrupted call aborts its requests."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        prompts, params = checks.generate_inputs(prompts, params)    # lists of one length
         ids, final = [], {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -470,8 +482,6 @@ def load_engine_model(path, device, dtype, quantization, tensor_parallel_size: i
     parallel.py group whose workers hold the other slices, and model is rank 0's slice."""
     tp = None
     if tensor_parallel_size != 1:
-        if compile:
-            raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
         tp = TensorParallelGroup(path, tensor_parallel_size, device, dtype, quantization)
         model, config = tp.model, tp.full_config       # the group shards (and quantizes) on every rank
     else:
@@ -495,9 +505,7 @@ def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cac
     if budget is None:     # CUDA: most of what the weights left free; CPU: 1 GiB (set kv_cache_bytes)
         budget = int(0.8 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 1 << 30
     num_blocks = num_blocks_for_budget(per_token, block_size, budget)
-    if num_blocks < 1 + scratch:
-        raise ValueError(f"kv_cache_bytes={budget} is too small for {1 + scratch} block(s) of "
-                         f"{block_size} tokens ({per_token * block_size} bytes each)")
+    checks.check_pool_size(num_blocks, 1 + scratch, budget, block_size, per_token)
     cache = allocate(num_blocks) if allocate else \
         make_kv_cache(cfg, num_blocks, block_size, kv_cache_dtype, device, dtype)   # model dtype or int8
     value = f"(1 B + 4/{cfg.head_dim} B of scale)" if kv_cache_dtype == "int8" else f"{dtype.itemsize} B"

@@ -47,13 +47,9 @@ class RequestMetrics:
     accepted_tokens: int = 0        # ... and accepted by the target
     verify_steps: int = 0           # target passes that verified drafts
 
-    @property
-    def time_to_first_token(self):
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def acceptance_rate(self):
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+    time_to_first_token = property(lambda m: None if m.first_token_time is None
+                                   else m.first_token_time - m.arrival_time)
+    acceptance_rate = property(lambda m: m.accepted_tokens / m.draft_tokens if m.draft_tokens else None)
 
 
 class Completion:
@@ -68,17 +64,10 @@ class Completion:
         self._tokens, self._pieces = len(seq.token_ids) - seq.num_prompt, len(seq.pieces)
         self.new_text, self.new_token_ids, self.new_logprobs = new_text, new_token_ids, new_logprobs
 
-    @property
-    def text(self) -> str:
-        return "".join(self._seq.pieces[:self._pieces])
-
-    @property
-    def token_ids(self) -> list:
-        return self._seq.token_ids[self._seq.num_prompt:self._seq.num_prompt + self._tokens]
-
-    @property
-    def logprobs(self):             # per token: (logprob, {alternative id: logprob}), or None
-        return None if self._seq.logprobs is None else self._seq.logprobs[:self._tokens]
+    text = property(lambda self: "".join(self._seq.pieces[:self._pieces]))
+    token_ids = property(lambda self: self._seq.token_ids[self._seq.num_prompt:][:self._tokens])
+    # per token: (logprob, {alternative id: logprob}), or None
+    logprobs = property(lambda self: None if self._seq.logprobs is None else self._seq.logprobs[:self._tokens])
 
 
 @dataclass
@@ -89,6 +78,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None        # why the request failed (finish_reason "error")
+    prompt_logprobs: list | None = None   # per prompt token, as logprobs (entry 0: None); once all are known
 
     # The common case (n == 1) reads like one completion: outs[i].text
     text = property(lambda self: self.outputs[0].text)
@@ -109,14 +99,17 @@ class Request:
         self.seqs: list[Sequence] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_ids))
         self.error: str | None = None
+        # prompt_logprobs: entry i = (logprob of prompt[i] given prompt[:i], {id: logprob}), filled as the
+        # prefill chunks are computed; the first num_scored are known (entry 0: nothing conditions it)
+        self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
+        self.num_scored = 1 if self.prompt_logprobs else len(prompt_ids)
 
-    @property
-    def finished(self):
-        return len(self.seqs) == self.params.n and all(s.status == FINISHED for s in self.seqs)
+    finished = property(lambda self: len(self.seqs) == self.params.n and all(s.status == FINISHED for s in self.seqs))
 
     def output(self) -> RequestOutput:
+        scores = self.prompt_logprobs if self.num_scored == len(self.prompt_ids) else None
         return RequestOutput(self.request_id, self.prompt_ids, [s.snapshot() for s in self.seqs],
-                             self.finished, self.metrics, self.error)
+                             self.finished, self.metrics, self.error, scores)
 
 
 class Sequence:
@@ -139,14 +132,8 @@ class Sequence:
         self.logprobs = [] if self.params.logprobs is not None else None
         self._reported = (0, 0)                  # (tokens, pieces) already in an output
 
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt
-
-    @property
-    def remaining(self) -> int:
-        """Known tokens whose K/V are not yet in the cache."""
-        return len(self.token_ids) - self.num_computed
+    num_output = property(lambda self: len(self.token_ids) - self.num_prompt)
+    remaining = property(lambda self: len(self.token_ids) - self.num_computed)   # known tokens not yet in the cache
 
     def add_text(self, delta: str) -> bool:
         """Stream decoded text through the stop strings; what can no longer change goes to

@@ -64,8 +64,9 @@ def check_sampling_params(p) -> None:
     def check(ok, name, what):
         if not ok:
             raise ValueError(f"SamplingParams.{name} must be {what}, got {short(getattr(p, name))}")
-    check(is_int(p.max_tokens) and 1 <= p.max_tokens <= L["max_tokens"], "max_tokens",
-          f"an integer in [1, {L['max_tokens']}]")
+    lo = 1 if p.prompt_logprobs is None else 0       # 0 tokens: score the prompt only (prompt_logprobs)
+    check(is_int(p.max_tokens) and lo <= p.max_tokens <= L["max_tokens"], "max_tokens",
+          f"an integer in [{lo}, {L['max_tokens']}]" + (" (0 only with prompt_logprobs)" if lo else ""))
     check(is_num(p.temperature) and 0 <= p.temperature < math.inf and fits_float(p.temperature),
           "temperature", "a finite number >= 0")
     check(is_int(p.top_k) and p.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")   # clamped to the vocabulary
@@ -85,8 +86,9 @@ def check_sampling_params(p) -> None:
     p.stop_token_ids = list(p.stop_token_ids)
     check(isinstance(p.ignore_eos, bool), "ignore_eos", "a bool")
     check(is_int(p.n) and 1 <= p.n <= L["n"], "n", f"an integer in [1, {L['n']}]")
-    check(p.logprobs is None or (is_int(p.logprobs) and 0 <= p.logprobs <= L["logprobs"]),
-          "logprobs", f"None or an integer in [0, {L['logprobs']}]")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(p, name)
+        check(k is None or (is_int(k) and 0 <= k <= L[name]), name, f"None or an integer in [0, {L[name]}]")
 
 
 # ----------------------------------------------------------------------------
@@ -105,6 +107,17 @@ def check_request(ids, params, params_type, cfg, max_len: int, max_num_seqs: int
     check_prompt_length(len(ids), max_len, "context" if max_len == cfg.max_seq_len else "KV cache pool")
     check_seats(params.n, max_num_seqs)     # its n samples run side by side
     return ids
+
+
+def generate_inputs(prompts, params) -> tuple[list, list]:
+    """LLM.generate's arguments as two lists of one length: a single prompt (a string or token
+    ids) becomes a list of one, a single SamplingParams (or None) serves every prompt."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+    return prompts, params
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> list[int]:
@@ -138,6 +151,20 @@ def check_positive_ints(**values) -> None:
     for name, v in values.items():
         if not is_int(v) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def check_engine_options(max_num_seqs, max_num_batched_tokens, compile: bool, tensor_parallel_size) -> None:
+    """LLM's batch limits, and options that cannot go together."""
+    check_positive_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    if compile and tensor_parallel_size != 1:
+        raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
+
+
+def check_pool_size(num_blocks: int, needed: int, budget: int, block_size: int, bytes_per_token: int) -> None:
+    """A KV pool's byte budget must hold the blocks the engine needs (a compiled step: one scratch block more)."""
+    if num_blocks < needed:
+        raise ValueError(f"kv_cache_bytes={budget} is too small for {needed} block(s) of "
+                         f"{block_size} tokens ({bytes_per_token * block_size} bytes each)")
 
 
 def resolve_device_dtype(device, dtype, quantization):

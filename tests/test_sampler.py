@@ -13,7 +13,8 @@ To pass, implement:
   * StopStrings: Knuth-Morris-Pratt over streamed text: feed returns the
     first stop string completed, partial how much text must be held back;
     the engine cuts a stop string from the text and never streams it.
-SamplingParams refuses every value outside its LIMITS, naming the field.
+SamplingParams refuses every value outside its LIMITS, naming the field
+(max_tokens=0 only with prompt_logprobs: a request that scores its prompt).
 """
 import pytest
 import torch
@@ -37,10 +38,24 @@ def assert_no_leak(llm):
                                          ("seed", "x"), ("stop", [""]), ("logprobs", 100),
                                          ("max_tokens", 2.5), ("temperature", float("nan")),
                                          ("temperature", 10**400), ("seed", 2**64), ("seed", -2**63 - 1),
-                                         ("stop", ["z" * 1025]), ("stop", ["a"] * 17), ("n", 129)])
+                                         ("stop", ["z" * 1025]), ("stop", ["a"] * 17), ("n", 129),
+                                         ("prompt_logprobs", -1), ("prompt_logprobs", 21),
+                                         ("prompt_logprobs", True), ("prompt_logprobs", 1.0)])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_max_tokens_zero_only_with_prompt_logprobs():
+    """Zero new tokens is a request that only scores its prompt: it needs prompt_logprobs."""
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer in \[1, .*0 only with prompt_logprobs"):
+        SamplingParams(max_tokens=0)
+    assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
+    assert SamplingParams(prompt_logprobs=SamplingParams.LIMITS["prompt_logprobs"]).prompt_logprobs == 20
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(max_tokens=0, prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1, prompt_logprobs=1)
 
 # ----------------------------------------------------------------- the noise
 

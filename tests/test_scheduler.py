@@ -5,11 +5,13 @@ To pass, implement:
     then prefill chunks, then admissions in FCFS order, within
     max_num_batched_tokens and max_num_seqs; preempt the NEWEST running
     sequence when the KV pool cannot give a decoding sequence its next
-    slot, and requeue it at the FRONT of the waiting queue.
+    slot, and requeue it at the FRONT of the waiting queue. A request still
+    scoring its prompt (prompt_logprobs) needs the logits of every prompt
+    position: admit it with BlockManager.allocate(..., use_prefix_cache=False).
 (given) LLM.generate / add_request / step / abort put it together: one
 forward pass per step for all running sequences, stop conditions, n > 1 by
-forking, requests that fail alone, no leaked blocks. The sampler and stop
-strings are tests/test_sampler.py's.
+forking, prompt logprobs, requests that fail alone, no leaked blocks. The
+sampler and stop strings are tests/test_sampler.py's.
 The reference for exactness is model.generate: the dense path with no cache.
 """
 import pytest
@@ -414,6 +416,122 @@ def test_logprobs(tiny_llm):
     for tok, (lp, alts) in zip(out.token_ids, lps):
         assert lp <= 0 and len(alts) == 3
         assert max(alts.values()) == pytest.approx(lp, abs=1e-5), "greedy picks the most likely token"
+
+
+# ------------------------------------------------------------- prompt logprobs
+# The reference is ONE dense forward pass over the whole prompt (no cache, no
+# chunks, no batch-mates): log_softmax of its float32 logits. Row p scores prompt
+# token p + 1; entry 0 has nothing to condition on. Tolerance: 1e-5 plus one part in
+# a million of the row's log-normalizer. log_softmax = x - logsumexp(x), the tiny
+# model's logits reach 20 (a float32 ulp there: 1.9e-6), and paged attention sums in
+# another order than the dense path: seen up to 1.24e-5 apart, so a flat 1e-5 fails.
+PL_PROMPTS = [list(range(10, 30)), list(range(40, 61)), [7], [(5 * j) % 400 + 3 for j in range(13)]]
+
+
+def assert_dense_prompt_logprobs(model, ids, got, k):
+    logits = model(torch.tensor(ids), torch.arange(len(ids))).float()                 # [L, V], dense, no ctx
+    ref, tol = torch.log_softmax(logits, dim=-1), 1e-5 + 1e-6 * torch.logsumexp(logits, dim=-1).abs()
+    assert got is not None and len(got) == len(ids) and got[0] is None, "one entry per prompt token, the first None"
+    for i in range(1, len(ids)):
+        lp, top = got[i]
+        assert lp == pytest.approx(ref[i - 1, ids[i]].item(), abs=tol[i - 1].item()), f"prompt position {i}"
+        values, indices = ref[i - 1].topk(k)
+        assert list(top) == indices.tolist(), f"prompt position {i}: the top-{k} ids"
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=tol[i - 1].item())
+
+
+@pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 7},
+                                    {"kv_cache_bytes": 8 * 4 * 512, "block_size": 4, "max_num_batched_tokens": 8},
+                                    {"speculative": "ngram", "num_speculative_tokens": 3}],
+                         ids=["one-pass", "chunked", "preempted", "speculative"])
+@pytest.mark.needs("engine")
+def test_prompt_logprobs_equal_a_dense_forward_pass(tiny_path, engine):
+    """Chunked prefill, preemption (recompute: entries are stored per position, so
+    none is duplicated or skipped) and speculative decoding change no value."""
+    llm = LLM(tiny_path, **{"kv_cache_bytes": 4 << 20, **engine})
+    outs = llm.generate(PL_PROMPTS, SamplingParams(max_tokens=6, prompt_logprobs=3, ignore_eos=True))
+    if "block_size" in engine:      # 8 blocks of 4 tokens for 4 prompts of up to 21 + 6 tokens
+        assert sum(o.metrics.preemptions for o in outs) >= 1, "the pool was meant to force preemption"
+    for p, o in zip(PL_PROMPTS, outs):
+        assert_dense_prompt_logprobs(llm.model, p, o.prompt_logprobs, 3)
+        assert o.token_ids == dense_generate(llm.model, p, 6), "scoring the prompt changes no token"
+    assert_no_leak(llm)
+
+
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("engine", "prefix-caching")
+def test_prompt_logprobs_read_no_prefix_cache_but_fill_it(tiny_path):
+    """A cached prefix has no logits for the tokens it skips: a scored prompt
+    computes every position (no cache lookup at all), yet its full blocks serve others."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    bm, prompt = llm.block_manager, list(range(100, 167))            # 4 full blocks + 3 tokens
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=1, ignore_eos=True)
+    first = llm.generate([prompt], scored)[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    assert plain.metrics.cached_tokens == 64 and plain.prompt_logprobs is None, "the scored prompt's blocks serve"
+    queries, hits = bm.prefix_queries, bm.prefix_hits
+    again = llm.generate([prompt], scored)[0]
+    assert (bm.prefix_queries, bm.prefix_hits) == (queries, hits) and again.metrics.cached_tokens == 0
+    for out in (first, again):
+        assert_dense_prompt_logprobs(llm.model, prompt, out.prompt_logprobs, 1)
+        assert out.token_ids == plain.token_ids
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine", "copy-on-write")
+def test_prompt_logprobs_belong_to_the_request_of_n_samples(tiny_path):
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    prompt = list(range(200, 240))
+    params = dict(max_tokens=4, temperature=1.0, seed=3, n=2, ignore_eos=True)
+    out = llm.generate([prompt], SamplingParams(prompt_logprobs=2, **params))[0]
+    assert_dense_prompt_logprobs(llm.model, prompt, out.prompt_logprobs, 2)
+    alone = llm.generate([prompt], SamplingParams(**params))[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs], "scoring changes no sample"
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 2
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine", "copy-on-write")
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(tiny_path):
+    """Score only (lm-eval's loglikelihood): the request finishes ("length") in
+    the step of its last prompt chunk, samples nothing and frees its blocks."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=16)
+    prompts = [list(range(300, 340)), [9]]                           # 40 tokens: chunks of 16, 16 and 8
+    outs = llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert llm.stats["steps"] == 3, "finished right after the last prompt chunk"
+    for p, o in zip(prompts, outs):
+        assert o.finished and o.finish_reason == "length" and o.token_ids == [] and o.text == ""
+        assert o.metrics.output_tokens == 0 and o.metrics.first_token_time is None
+        assert_dense_prompt_logprobs(llm.model, p, o.prompt_logprobs, 0)
+    assert_no_leak(llm)
+    two = llm.generate([prompts[0]], SamplingParams(max_tokens=0, prompt_logprobs=1, n=2))[0]
+    assert [(c.token_ids, c.finish_reason) for c in two.outputs] == [([], "length")] * 2
+    assert_dense_prompt_logprobs(llm.model, prompts[0], two.prompt_logprobs, 1)
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine")
+def test_a_plain_request_beside_a_scored_one_is_unchanged_and_pays_nothing(tiny_path, monkeypatch):
+    """A plain request's step computes the LM head for its one sampled row and
+    waits for the device once; a scored prompt beside it adds only its own rows,
+    and their logprobs come back with that same one wait (a step of prompt
+    chunks only: one wait too)."""
+    import sampler
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=12)
+    rows, waits, forward, fetch = [], [], llm._forward, sampler.fetch        # per step: logits rows, waits
+    monkeypatch.setattr(llm, "_forward", lambda batch, r: rows.append(len(r)) or waits.append(0) or forward(batch, r))
+    monkeypatch.setattr(sampler, "fetch", lambda *t: waits.__setitem__(-1, waits[-1] + 1) or fetch(*t))
+    plain, scored = list(range(50, 80)), list(range(400, 425))               # 30 and 25 tokens
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    alone = llm.generate([plain], greedy)[0]
+    assert rows == waits == [0, 0, 1, 1, 1, 1, 1], "chunks of 12, 12 and 6 tokens, then 4 decodes"
+    rows[:], waits[:] = [], []
+    both = llm.generate([plain, scored], [greedy, SamplingParams(max_tokens=5, prompt_logprobs=2, ignore_eos=True)])
+    assert both[0].token_ids == alone.token_ids and both[0].prompt_logprobs is None
+    assert_dense_prompt_logprobs(llm.model, scored, both[1].prompt_logprobs, 2)
+    assert sum(rows) == 5 + 5 + len(scored) - 1, "the sampled rows + one row per scored prompt token"
+    assert waits == [int(r > 0) for r in rows], "one wait in every step that needs logits, none otherwise"
+    assert_no_leak(llm)
 
 
 # ---------------------------------------------------------- scheduler unit tests
