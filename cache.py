@@ -6,16 +6,16 @@ O(T) instead of O(T^2), and makes the cache THE state of inference:
 
     KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes_per_value
 
-SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes, so a 2048-token
-sequence holds 94 MB: the cache, not the 540 MB of weights, limits how many
-sequences fit at once.
+SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes, so a 2048-token sequence
+holds 94 MB: the cache, not the 540 MB of weights, limits how many sequences fit at once.
 
 PagedAttention keeps it in blocks (pages) of `block_size` tokens anywhere in
 one pool, not in one [max_len, ...] buffer per sequence: a block table per
 sequence maps logical block i -> physical block id, like an OS page table.
 No memory waits for lengths never reached; sequences with the same leading
 tokens share blocks (prefix caching, found by hashing full blocks); n samples
-of a prompt share its blocks until one writes into a shared one (copy-on-write).
+of a prompt share its blocks until one writes into a shared one (copy-on-write);
+a sliding window (Mistral) gives back the blocks that no query can see any more.
 
 Place in the data flow (one engine step, scheduler.py):
     BlockManager.reserve   -> blocks for the new tokens in each block table
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from model import in_window
 from support.checks import check_positive_ints
 
 
@@ -78,9 +79,9 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError("the KV cache budget is too small for a single block")
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype)
-        self.v = torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype)
+        self.k, self.v = (torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype) for _ in "kv")
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.sliding_window = cfg.sliding_window      # Mistral's W or None: every attention over it masks by it
         self.bytes_per_token = kv_cache_bytes(cfg, dtype)
 
     def pools(self) -> list[torch.Tensor]:
@@ -102,11 +103,6 @@ class KVCache:
         The one read path: quantize.Int8KVCache overrides it to dequantize."""
         return self.k[layer][block_ids], self.v[layer][block_ids]
 
-    def gather(self, layer: int, block_ids, num_tokens: int):
-        """K, V of one sequence's first num_tokens tokens: [num_tokens, n_kv, d]."""
-        k, v = self.blocks(layer, block_ids)                        # [n_blocks, bs, n_kv, d]
-        return k.flatten(0, 1)[:num_tokens], v.flatten(0, 1)[:num_tokens]
-
     def copy_block(self, src: int, dst: int):
         """Copy-on-write: duplicate a physical block in every layer."""
         for t in self.pools():
@@ -118,8 +114,8 @@ def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query
     """Each sequence's new queries attend over its own paged KV. q: [N, H, d], the B
     sequences' queries end to end: sequence b owns the LAST query_lens[b] of its
     seq_lens[b] tokens (all already in the cache). Query i of b sits at position
-    p = seq_lens[b] - query_lens[b] + i and sees positions 0..p. A loop over
-    sequences for clarity; kernels.py vectorizes it."""
+    p = seq_lens[b] - query_lens[b] + i and sees positions 0..p (p-W+1..p with a sliding window:
+    the blocks before are the null block, masked). A loop for clarity; kernels.py vectorizes it."""
     # assignment: paged-attention
     N, H, d = q.shape
     n_kv = cache.k.shape[-2]
@@ -127,11 +123,13 @@ def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query
     start = 0
     for b, (seq_len, n_q) in enumerate(zip(seq_lens, query_lens)):
         n_blocks = math.ceil(seq_len / cache.block_size)
-        k, v = cache.gather(layer, block_tables[b, :n_blocks], seq_len)     # [T, n_kv, d]
+        k, v = (t.flatten(0, 1)[:seq_len] for t in cache.blocks(layer, block_tables[b, :n_blocks]))  # [T, n_kv, d]
         qg = q[start:start + n_q].view(n_q, n_kv, H // n_kv, d)              # [n_q, n_kv, G, d]
         scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float()) / math.sqrt(d)  # [n_kv, G, n_q, T]
         q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)
         visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]    # [n_q, T]
+        if cache.sliding_window:                                             # Mistral: the last W only
+            visible &= in_window(q_pos, torch.arange(seq_len, device=q.device), cache.sliding_window)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         o = torch.einsum("hgqk,khd->qhgd", probs, v.float())                 # [n_q, n_kv, G, d]
         out[start:start + n_q] = o.reshape(n_q, H, d).to(q.dtype)
@@ -200,8 +198,8 @@ class BlockManager:
     prefix-cache key is hash((parent block's key, its token ids)): chaining makes the key
     name the whole prefix, not just the block; collisions are caught by comparing tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        check_positive_ints(block_size=block_size)
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window=None):
+        check_positive_ints(block_size=block_size, sliding_window=1 if sliding_window is None else sliding_window)
         if num_blocks < 1:
             raise ValueError("the KV cache has no blocks")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -216,9 +214,11 @@ class BlockManager:
         # seq -> (leading blocks registered in the prefix cache, hash of the last):
         # cache_full_blocks resumes there instead of rehashing the whole sequence.
         self.hashed: dict[int, tuple[int, int | None]] = {}
-        # Sequences whose table changed since the engine last looked (None: nobody
-        # looks): kernels.StepInputs refreshes only their rows of its table array.
-        self.changed: set[int] | None = None
+        # Sequences whose table changed since the engine last looked: kernels.StepInputs
+        # refreshes only their rows of its table array (and empties the set).
+        self.changed: set[int] = set()
+        # Sliding window (W or None): reserve() points freed entries at the null block: held, never written.
+        self.sliding_window, self.null_block = sliding_window, (self._take_free() if sliding_window else None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -251,19 +251,15 @@ class BlockManager:
     def _key(self, parent_hash, tokens) -> int:
         return hash((parent_hash, tuple(tokens)))
 
-    def _touch(self, seq_id: int):
-        if self.changed is not None:
-            self.changed.add(seq_id)
-
     # -- per sequence --------------------------------------------------------------
-    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
-        """Start a block table for a new (or re-admitted) sequence, reusing every
-        leading FULL block in the prefix cache; return how many tokens that computed.
-        The last token is always left to compute: the engine needs its logits."""
+    def allocate(self, seq_id: int, token_ids: list[int], use_prefix_cache: bool = True) -> int:
+        """Start a block table for a new (or re-admitted) sequence, reusing every leading FULL block in the
+        prefix cache; return how many tokens that computed (never the last: the engine needs its logits).
+        use_prefix_cache=False (prompt logprobs need every position) reads no entry; registration is unchanged."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
         table = []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_prefix_cache:
             # assignment: prefix-caching
             bs, parent = self.block_size, None
             for i in range((len(token_ids) - 1) // bs):
@@ -282,26 +278,32 @@ class BlockManager:
             # end assignment
         self.tables[seq_id] = table
         self.hashed[seq_id] = (len(table), parent if table else None)   # hits are registered already
-        self._touch(seq_id)
+        self.changed.add(seq_id)
         return len(table) * self.block_size
 
-    def blocks_needed(self, seq_id: int, start: int, count: int) -> int:
-        """Free blocks needed to write positions [start, start + count): new blocks at
-        the end of the table, plus a private copy of each shared block written."""
+    def can_append(self, seq_id: int, start: int, count: int) -> bool:
+        """Are there free blocks to write positions [start, start + count) now: new blocks at
+        the end of the table, plus a private copy of each shared block written?"""
         table, bs = self.tables[seq_id], self.block_size
         end_block = math.ceil((start + count) / bs)
         shared = sum(self.ref_count[table[i]] > 1 for i in range(start // bs, min(len(table), end_block)))
-        return max(0, end_block - len(table)) + shared
-
-    def can_append(self, seq_id: int, start: int, count: int) -> bool:
-        """Can the sequence get slots for [start, start + count) right now?"""
-        return self.blocks_needed(seq_id, start, count) <= len(self.free_blocks)
+        return max(0, end_block - len(table)) + shared <= len(self.free_blocks)
 
     def reserve(self, seq_id: int, start: int, count: int):
         """Make room for positions [start, start + count): new blocks at the end of
         the table, and a private copy of each block written that is shared after a
         fork (copy-on-write: the engine copies the data via pending_copies)."""
         table, bs = self.tables[seq_id], self.block_size
+        if self.sliding_window:       # no query from `start` on sees a position < start - W + 1: free those blocks
+            # assignment: sliding-window
+            for i in reversed(range((start - self.sliding_window + 1) // bs)):    # newest first
+                if table[i] == self.null_block:
+                    break                                  # freed before, as is every block before it
+                self._release(table[i])
+                table[i] = self.null_block                 # each entry holds a reference, like any block
+                self.ref_count[self.null_block] += 1
+                self.changed.add(seq_id)
+            # end assignment
         if not self.can_append(seq_id, start, count):
             raise RuntimeError(f"sequence {seq_id}: the KV pool has no free blocks for {count} more "
                                f"tokens ({len(self.free_blocks)} free of {self.num_blocks})")
@@ -312,15 +314,14 @@ class BlockManager:
                 self.pending_copies.append((table[i], new))
                 self._release(table[i])
                 table[i] = new
-                self._touch(seq_id)
+                self.changed.add(seq_id)
                 # end assignment
             elif table[i] in self.block_key:         # registered, rewritten in place: truncate() kept it while
                 self._forget(table[i])               # shared, then its sharers left; it names that prefix no more
         # assignment: block-allocation
-        if len(table) * bs < start + count:
-            self._touch(seq_id)
         while len(table) * bs < start + count:
             table.append(self._take_free())
+            self.changed.add(seq_id)
         # end assignment
 
     def append_slots(self, seq_id: int, start: int, count: int) -> list[int]:
@@ -334,8 +335,8 @@ class BlockManager:
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int):
         """After a step: register the blocks now full and computed in the prefix cache
         for later sequences; resumes after last time's blocks: O(new blocks)."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or self.null_block in self.tables[seq_id][self.hashed.get(seq_id, (0,))[0]:]:
+            return      # (or the window freed a block before it was registered: the chain is lost)
         # assignment: prefix-caching
         table, bs = self.tables[seq_id], self.block_size
         done, parent = self.hashed.get(seq_id, (0, None))
@@ -359,7 +360,7 @@ class BlockManager:
         for b in self.tables[child_id]:
             self.ref_count[b] += 1
         self.hashed[child_id] = self.hashed.get(parent_id, (0, None))
-        self._touch(child_id)
+        self.changed.add(child_id)
         # end assignment
 
     def truncate(self, seq_id: int, num_tokens: int):
@@ -377,7 +378,7 @@ class BlockManager:
         if self.hashed.get(seq_id, (0, None))[0] > full:   # registered blocks past the cut: re-derive the chain
             key = self.block_key.get(table[full - 1]) if full else None
             self.hashed[seq_id] = (full, key[0]) if key else (0, None)
-        self._touch(seq_id)
+        self.changed.add(seq_id)
 
     def _forget(self, block: int):
         """Drop a block from the prefix cache (it is being reused or rewritten)."""
@@ -395,15 +396,14 @@ class BlockManager:
         table = self.tables.pop(seq_id)
         for block in reversed(table):
             self._release(block)
-        if self.pending_copies:       # a copy into a block given back must never run later
-            self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in table]
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in table]   # never copy into it
         self.hashed.pop(seq_id, None)
-        self._touch(seq_id)
+        self.changed.add(seq_id)
         # end assignment
 
     def check_invariants(self):
         """Consistency of the bookkeeping; tests call this after every operation."""
-        counts = Counter(b for table in self.tables.values() for b in table)
+        counts = Counter([b for table in self.tables.values() for b in table] + [self.null_block])   # + its own hold
         assert [counts[b] for b in range(self.num_blocks)] == self.ref_count, "ref counts disagree with the tables"
         assert set(self.free_blocks) == {b for b in range(self.num_blocks) if self.ref_count[b] == 0}
         for h, b in self.cached.items():

@@ -5,7 +5,7 @@ The lesson: a modern decoder-only LLM is a short stack of simple pieces.
 
     token ids --embed--> x [N, D]
     repeat L times:
-        x = x + Attention(RMSNorm(x))      # grouped-query attention with RoPE
+        x = x + Attention(RMSNorm(x))      # grouped-query attention with RoPE (Mistral: windowed)
         x = x + MLP(RMSNorm(x))            # SwiGLU feed-forward
     logits = LMHead(RMSNorm(x))            # [N, vocab]
 
@@ -56,11 +56,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     random_seed: int | None = None  # set by "random:" presets: the weights are random, not trained
+    sliding_window: int | None = None  # Mistral's W: a query sees only its last W positions (None: all)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """From a Hugging Face config.json dict; every field type- and range-checked at
-        load time (support/checkpoint.py), an error naming it as config.json does."""
+        """From a config.json dict, each field type- and range-checked (support/checkpoint.py) by its name there."""
         return cls(**checkpoint.config_fields(hf))
 
 
@@ -117,8 +117,16 @@ def apply_rope(x, cos, sin):
     # end assignment
 
 
-def dense_causal_attention(q, k, v):
-    """Plain causal softmax attention over one sequence, GQA by grouping.
+def in_window(q_pos, k_pos, window: int):
+    """Sliding window (Mistral, as Hugging Face masks config.sliding_window): the query at position q sees
+    key position k iff q - W < k, its last W positions. q_pos [n_q], k_pos [T] -> [n_q, T] bool (not causal)."""
+    # assignment: sliding-window
+    return k_pos[None, :] > q_pos[:, None] - window
+    # end assignment
+
+
+def dense_causal_attention(q, k, v, window: int | None = None):
+    """Plain causal softmax attention over one sequence, GQA by grouping (a window: in_window too).
     q: [N, H, d], k and v: [N, n_kv, d] -> [N, H, d]. The H query heads are
     viewed as n_kv groups of G = H // n_kv heads that share one K/V head:
     reshape q, never copy k/v (copying is what GQA exists to avoid)."""
@@ -129,6 +137,8 @@ def dense_causal_attention(q, k, v):
     scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float())   # [n_kv, G, N, N]
     scores = scores / math.sqrt(d)
     causal = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
+    if window:                                                       # and only the last W: j > i - W
+        causal &= in_window(torch.arange(N, device=q.device), torch.arange(N, device=q.device), window)
     scores = scores.masked_fill(~causal, float("-inf"))             # token i sees j <= i
     probs = scores.softmax(dim=-1)
     out = torch.einsum("hgqk,khd->qhgd", probs, v.float())           # [N, n_kv, G, d]
@@ -142,7 +152,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx, self.window = layer_idx, cfg.sliding_window        # window: Mistral's W or None
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         b = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=b)
@@ -157,7 +167,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(N, self.n_kv_heads, self.head_dim)   # [N, n_kv, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx is None:
-            out = dense_causal_attention(q, k, v)                    # no cache: one sequence
+            out = dense_causal_attention(q, k, v, self.window)       # no cache: one sequence
         else:
             out = ctx.attend(self.layer_idx, q, k, v)                # paged KV cache (cache.py)
         return self.o_proj(out.reshape(N, self.n_heads * self.head_dim))
@@ -262,7 +272,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
 
 def read_config(path) -> ModelConfig:
     """The config of a model path without loading any weight: a checkpoint
-    directory's config.json, or a "random:<preset>[:seed=N]" preset's."""
+    directory's config.json, or a "random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W]" preset's."""
     return ModelConfig(**checkpoint.read_config_fields(path))
 
 

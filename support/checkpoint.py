@@ -55,10 +55,11 @@ def config_fields(hf: dict) -> dict:
     archs = hf.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"config field architectures must be a list of strings, got {archs!r}")
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
+    # Mistral is Llama's architecture plus a sliding window (config field sliding_window): same tensors.
+    if hf.get("model_type") not in ("llama", "mistral") and not {"LlamaForCausalLM", "MistralForCausalLM"} & set(archs):
         raise ValueError(
             f"unsupported architecture: model_type={hf.get('model_type')!r}, "
-            f"architectures={archs}; nanoinfer runs Llama-family checkpoints only")
+            f"architectures={archs}; nanoinfer runs Llama-family checkpoints only (Llama, Mistral)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (Llama uses silu)")
     if _bool_field(hf, "mlp_bias", False):
@@ -88,6 +89,9 @@ def config_fields(hf: dict) -> dict:
         attention_bias=_bool_field(hf, "attention_bias", False),
         bos_token_id=_token_ids(hf, "bos_token_id", vocab),
         eos_token_id=_token_ids(hf, "eos_token_id", vocab),
+        # Mistral's local attention: each query sees its last W positions (null or absent: all of them).
+        # Models that interleave local and global layers (Gemma 2/3, gpt-oss) are not supported.
+        sliding_window=_int_field(hf, "sliding_window", None),
     )
 
 
@@ -193,8 +197,11 @@ def read_config_fields(path) -> dict:
     random_seed set, so that everyone downstream can say the weights are random)."""
     path = os.fspath(path)
     if path.startswith(RANDOM_PREFIX):
-        name, seed = parse_random_path(path)
-        return {**config_fields(PRESETS[name]), "random_seed": seed}
+        name, seed, overrides = parse_random_path(path)
+        try:
+            return {**config_fields({**PRESETS[name], **overrides}), "random_seed": seed}
+        except ValueError as e:
+            raise ValueError(f"{path!r}: {e}") from None
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     cfg_file = os.path.join(path, "config.json")
@@ -442,19 +449,39 @@ PRESETS = {
 }
 
 
-def parse_random_path(path: str) -> tuple[str, int]:
-    """"random:<preset>" or "random:<preset>:seed=<N>" -> (preset, seed). The default seed is 0."""
+# Options of a preset, each at most once, in any order: the seed of the random weights, and
+# overrides of its config.json (validated by config_fields like any checkpoint's):
+#   kv_heads=N        -> num_key_value_heads: MHA (N = heads), GQA, MQA (N = 1) on the same body.
+#                        Every other tensor is unchanged for a given seed; k_proj and v_proj take the
+#                        new shape [N * head_dim, hidden], drawn from their usual per-name seed and scale.
+#   sliding_window=W  -> sliding_window (Mistral's): each query sees its last W positions.
+PRESET_OPTIONS = {"seed": None, "kv_heads": "num_key_value_heads", "sliding_window": "sliding_window"}
+
+
+def parse_random_path(path: str) -> tuple[str, int, dict]:
+    """"random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W]" -> (preset, seed, config.json
+    overrides), e.g. "random:llama-3.2-1b:kv_heads=1:seed=3". The default seed is 0."""
     rest = os.fspath(path).removeprefix(RANDOM_PREFIX)
-    name, _, option = rest.partition(":")
+    name, *options = rest.split(":")
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r} in {path!r}; presets: {', '.join(PRESETS)}")
-    if not option:
-        return name, 0
-    m = re.fullmatch(r"seed=(\d{1,19})", option)
-    if m is None or int(m.group(1)) >= 2**63:
-        raise ValueError(f"bad option {option!r} in {path!r}: expected random:{name}:seed=N "
-                         f"with N an integer in [0, 2^63)")
-    return name, int(m.group(1))
+    values = {}
+    for option in options:
+        m = re.fullmatch(r"([a-z_]+)=(\d{1,19})", option)
+        if m is None or m.group(1) not in PRESET_OPTIONS or m.group(1) in values:
+            raise ValueError(f"bad option {option!r} in {path!r}: expected random:{name}[:seed=N][:kv_heads=N]"
+                             f"[:sliding_window=W], each at most once, with non-negative integers")
+        values[m.group(1)] = int(m.group(2))
+    seed = values.pop("seed", 0)
+    if seed >= 2**63:
+        raise ValueError(f"bad option seed={seed} in {path!r}: expected seed=N with N an integer in [0, 2^63)")
+    return name, seed, {PRESET_OPTIONS[k]: v for k, v in values.items()}
+
+
+def preset_config(path: str) -> dict:
+    """The Hugging Face config.json dict of a "random:" path: its preset with the options' overrides."""
+    name, _, overrides = parse_random_path(path)
+    return {**PRESETS[name], **overrides}
 
 
 

@@ -113,6 +113,11 @@ ASSIGNMENTS = {
         "5. paged attention (cache.py): copy-on-write",
         "fork shares every block of the parent (ref counts up, nothing copied); reserve gives a sequence "
         "about to write a shared block a private copy, recorded in pending_copies"),
+    "sliding-window": Assignment(
+        "5. paged attention (model.py, cache.py): sliding-window attention",
+        "in_window: the query at position q sees key position k iff q - W < k (Mistral); reserve frees the "
+        "blocks wholly before the window of its first new position (newest first, down to one freed before), "
+        "each entry then pointing at the null block, which holds one more reference"),
     "scheduler-step": Assignment(
         "6. continuous batching (scheduler.py): the step",
         "decodes first (preempting the newest running sequence while the pool is short), then prefill chunks, "

@@ -152,7 +152,24 @@ BUGS = [
     Bug("copy-on-write", "cache.py", "copy-on-write swaps in the private block but never records the data copy",
         "                self.pending_copies.append((table[i], new))\n", ""),
     Bug("copy-on-write", "cache.py", "copy-on-write changes the table without telling the engine (stale table rows)",
-        "                table[i] = new\n                self._touch(seq_id)\n", "                table[i] = new\n"),
+        "                table[i] = new\n                self.changed.add(seq_id)\n", "                table[i] = new\n"),
+
+    # ------------------------------------------------------------ sliding-window (model.py, cache.py)
+    Bug("sliding-window", "model.py", "the window holds W + 1 positions (q - W <= k)",
+        "return k_pos[None, :] > q_pos[:, None] - window", "return k_pos[None, :] >= q_pos[:, None] - window"),
+    Bug("sliding-window", "model.py", "the window counted from the first query position, not from each query",
+        "return k_pos[None, :] > q_pos[:, None] - window", "return k_pos[None, :] > q_pos[:1, None] - window"),
+    Bug("sliding-window", "cache.py", "frees by the step's LAST new position: its first queries lose keys they see",
+        "range((start - self.sliding_window + 1) // bs)", "range((start + count - self.sliding_window) // bs)"),
+    Bug("sliding-window", "cache.py", "rounds up: frees the block that holds the oldest visible position",
+        "range((start - self.sliding_window + 1) // bs)", "range(-(-(start - self.sliding_window + 1) // bs))"),
+    Bug("sliding-window", "cache.py", "counts the window in whole blocks (W // block_size), rounding it down",
+        "range((start - self.sliding_window + 1) // bs)", "range(start // bs - self.sliding_window // bs)"),
+    Bug("sliding-window", "cache.py", "a freed block is never released (the footprint grows with the length)",
+        "                self._release(table[i])\n                table[i] = self.null_block",
+        "                table[i] = self.null_block"),
+    Bug("sliding-window", "cache.py", "the null block's entries take no reference (free() then hands it out)",
+        "                self.ref_count[self.null_block] += 1\n", ""),
 
     # ------------------------------------------------------------ scheduler-step (scheduler.py)
     Bug("scheduler-step", "scheduler.py", "a preempted sequence is requeued at the BACK of the waiting queue",

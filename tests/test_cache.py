@@ -9,16 +9,21 @@ To pass, implement:
     SDPA) for every block size, ragged batch, cached prefix and query length;
   * BlockManager: free list, reference counts, block tables, slot mapping,
     prefix caching with chained hashes and LRU eviction, copy-on-write forks,
-    truncation; loud errors on misuse.
+    truncation; loud errors on misuse;
+  * sliding-window attention (Mistral), with model.in_window: a query at position
+    p sees p-W+1..p only, and reserve() frees the blocks wholly before the window
+    of its first new position (their table entries point at the null block), so
+    a sequence holds <= ceil(W / block_size) + 1 blocks however long it runs.
 """
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from conftest import tiny_config, tiny_model
 
 from cache import AttentionContext, BlockManager, KVCache, kv_cache_bytes, num_blocks_for_budget
+from model import read_config
 
 
 # ------------------------------------------------------------ memory accounting
@@ -43,30 +48,39 @@ def test_smollm2_kv_bytes(real_model):
 
 # --------------------------------------------------- paged attention vs SDPA
 
-def sdpa_reference(q, k, v):
-    """Dense causal attention over a whole sequence, K/V heads repeated per group."""
-    G = q.shape[1] // k.shape[1]
+def sdpa_reference(q, k, v, window=None):
+    """Dense causal attention over a whole sequence, K/V heads repeated per group. With a
+    window, an explicit band mask: query i sees key j iff i - window < j <= i (Mistral's)."""
+    G, N = q.shape[1] // k.shape[1], q.shape[0]
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    mask = None if window is None else (j <= i) & (i - j < window)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(G, 1).transpose(0, 1),
-                                         v.repeat_interleave(G, 1).transpose(0, 1), is_causal=True)
+                                         v.repeat_interleave(G, 1).transpose(0, 1), attn_mask=mask,
+                                         is_causal=window is None)
     return out.transpose(0, 1)
 
 
-def paged_step(seqs, block_size, n_heads, n_kv, d=8, seed=0):
+def paged_step(seqs, block_size, n_heads, n_kv, d=8, seed=0, window=None):
     """seqs: list of (cached_len, query_len). Fill the cache with the first
     cached_len tokens of each sequence at randomly placed physical blocks,
-    then run one attention step over the query tokens of all sequences."""
+    then run one attention step over the query tokens of all sequences.
+    With a window, the step frees the blocks out of it: their entries point at
+    the null block, filled here with large junk that only the mask hides."""
     g = torch.Generator().manual_seed(seed)
-    cfg = tiny_config(n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d)
+    cfg = tiny_config(n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, sliding_window=window)
     total_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
     cache = KVCache(cfg, total_blocks, block_size, "cpu", torch.float32)
-    bm = BlockManager(total_blocks, block_size, enable_prefix_caching=False)
-    bm.free_blocks = type(bm.free_blocks).fromkeys(torch.randperm(total_blocks, generator=g).tolist())  # scatter blocks
+    bm = BlockManager(total_blocks, block_size, enable_prefix_caching=False, sliding_window=window)
+    bm.free_blocks = type(bm.free_blocks).fromkeys(b for b in torch.randperm(total_blocks, generator=g).tolist()
+                                                   if b != bm.null_block)                     # scatter blocks
+    if window:
+        cache.k[:, bm.null_block], cache.v[:, bm.null_block] = 100.0, -100.0
     full = []
     qs, ks, vs, slots = [], [], [], []
     for i, (cached, n_q) in enumerate(seqs):
         T = cached + n_q
         q, k, v = (torch.randn(T, h, d, generator=g) for h in (n_heads, n_kv, n_kv))
-        full.append(sdpa_reference(q, k, v)[cached:])
+        full.append(sdpa_reference(q, k, v, window)[cached:])
         bm.allocate(i, list(range(T)))
         if cached:
             old = torch.tensor(bm.append_slots(i, 0, cached))
@@ -77,7 +91,8 @@ def paged_step(seqs, block_size, n_heads, n_kv, d=8, seed=0):
     tables = torch.tensor([bm.tables[i] + [0] * (width - len(bm.tables[i])) for i in range(len(seqs))])
     ctx = AttentionContext(cache, torch.tensor(slots), tables, [c + n for c, n in seqs], [n for _, n in seqs])
     out = ctx.attend(0, torch.cat(qs), torch.cat(ks), torch.cat(vs))
-    return out, torch.cat(full)
+    freed = sum(t.count(bm.null_block) for t in bm.tables.values()) if window else 0
+    return out, torch.cat(full), freed
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -92,7 +107,7 @@ def test_paged_attention_equals_sdpa(block_size, n_heads, n_kv):
             (45, 5),            # ... and mid-block
             (7, 30),            # a prefill chunk after a cached prefix
             (0, 1)]             # a one-token prompt
-    out, ref = paged_step(seqs, block_size, n_heads, n_kv)
+    out, ref, _ = paged_step(seqs, block_size, n_heads, n_kv)
     assert torch.allclose(out, ref, atol=1e-5), f"max err {(out - ref).abs().max():.2e}"
 
 
@@ -102,7 +117,7 @@ def test_paged_attention_random_ragged_batches():
     rng = random.Random(0)
     for trial in range(20):
         seqs = [(rng.randint(0, 60), rng.randint(1, 20)) for _ in range(rng.randint(1, 6))]
-        out, ref = paged_step(seqs, rng.choice([1, 2, 16, 32]), 6, rng.choice([1, 2, 3, 6]), seed=trial)
+        out, ref, _ = paged_step(seqs, rng.choice([1, 2, 16, 32]), 6, rng.choice([1, 2, 3, 6]), seed=trial)
         assert torch.allclose(out, ref, atol=1e-5), f"trial {trial} {seqs}"
 
 
@@ -244,6 +259,29 @@ def test_hash_collisions_are_never_hits():
     bm.cache_full_blocks(1, a, 5)
     assert bm.allocate(2, [9, 9, 9, 9, 9]) == 0, "a colliding hash with other tokens is a miss"
     assert bm.allocate(3, a) == 4, "the genuine prefix still hits"
+    bm.check_invariants()
+
+
+@pytest.mark.assignment("prefix-caching")
+@pytest.mark.needs("block-allocation")
+def test_allocate_without_prefix_cache_reads_no_entry_but_still_registers():
+    """A request that needs every prompt position's logits (prompt_logprobs) skips the
+    lookup: fresh blocks, no query or hit counted; its own full blocks still serve others."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(20, 31))                                  # 11 tokens: 2 full blocks + 3
+    bm.allocate(1, prompt)
+    bm.append_slots(1, 0, 11)
+    bm.cache_full_blocks(1, prompt, 11)
+    queries, hits = bm.prefix_queries, bm.prefix_hits
+    assert bm.allocate(2, prompt, use_prefix_cache=False) == 0 and bm.tables[2] == []
+    assert (bm.prefix_queries, bm.prefix_hits) == (queries, hits)
+    bm.append_slots(2, 0, 11)
+    assert not set(bm.tables[2]) & set(bm.tables[1]), "fresh blocks, not the cached ones"
+    other = list(range(40, 51))                                   # a prompt nobody cached yet
+    assert bm.allocate(3, other, use_prefix_cache=False) == 0
+    bm.append_slots(3, 0, 11)
+    bm.cache_full_blocks(3, other, 11)                            # registration is unchanged
+    assert bm.allocate(4, other) == 8 and bm.tables[4] == bm.tables[3][:2]
     bm.check_invariants()
 
 
@@ -396,6 +434,231 @@ def test_truncate_frees_trailing_blocks_and_uncaches_them():
     assert bm.tables[1] == [0, 1] and bm.num_free_blocks == 6
     assert bm.num_cached_blocks == 1, "only the still-full first block stays in the prefix cache"
     bm.check_invariants()
+
+
+# ------------------------------------------------------- sliding window (Mistral)
+
+@pytest.mark.parametrize("window", [1, 3, 16, 21])
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes", "block-allocation")
+def test_paged_windowed_attention_equals_band_masked_sdpa(window):
+    """Each query sees its last W positions only, through tables whose freed
+    entries point at the null block (full of junk here: the mask must hide it)."""
+    seqs = [(0, 37), (16, 1), (21, 1), (32, 5), (45, 5), (7, 30), (0, 1), (60, 3)]
+    for block_size in (1, 4, 16):
+        out, ref, freed = paged_step(seqs, block_size, 6, 2, seed=window, window=window)
+        assert torch.allclose(out, ref, atol=1e-5), f"W={window}, bs={block_size}: {(out - ref).abs().max():.2e}"
+        assert freed > 0 or block_size > 60 - window, "the step must have freed blocks out of the window"
+    no_window, _, _ = paged_step(seqs, 4, 6, 2, seed=window)
+    assert not torch.allclose(out, no_window, atol=1e-3), "a window must change what a query sees"
+
+
+def live_blocks(bm, sid):
+    """Indices of a table's blocks still held: the freed ones (the null block) must be a prefix."""
+    table = bm.tables[sid]
+    live = [i for i, b in enumerate(table) if b != bm.null_block]
+    assert live == list(range(len(table) - len(live), len(table))), f"freed entries are not a prefix: {table}"
+    return live
+
+
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("block-allocation", "prefix-caching")
+def test_window_holds_a_long_sequence_in_a_bounded_number_of_blocks():
+    """W = 256 over 4,096 tokens in blocks of 16, decoding one token per step as the
+    engine does (reserve, then register the full blocks): at most ceil(W / 16) + 1 = 17
+    blocks, in a pool of exactly 17 (+ the null block), while every position the next
+    query sees is still held. Without a window the same pool is full at 272 tokens."""
+    W, bs, L = 256, 16, 4096
+    bm = BlockManager(17 + 1, bs, sliding_window=W)
+    toks = [7] * 40                                                # a 40-token prompt in one chunk
+    bm.allocate(0, toks)
+    bm.append_slots(0, 0, 40)
+    bm.cache_full_blocks(0, toks, 40)
+    most = 0
+    while len(toks) < L:
+        start = len(toks)
+        bm.append_slots(0, start, 1)
+        toks.append(start % 97)
+        bm.cache_full_blocks(0, toks, len(toks))
+        live = live_blocks(bm, 0)
+        most = max(most, len(live))
+        assert live[0] <= max(0, start - W + 1) // bs, f"position {start}: a block it sees was freed"
+        assert live[0] >= (start - W + 1) // bs, f"position {start}: a block out of the window is still held"
+        if start % 500 == 0:
+            bm.check_invariants()
+    assert most == 17 and len(bm.tables[0]) == L // bs, "the table keeps its logical length; 17 blocks held"
+    assert bm.null_block not in bm.free_blocks and bm.null_block not in bm.cached.values()
+    bm.check_invariants()
+    bm.free(0)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 17, "every block back; the null block stays the manager's"
+    plain = BlockManager(17, bs)
+    plain.allocate(0, [])
+    with pytest.raises(RuntimeError, match="no free blocks"):
+        for start in range(L):
+            plain.append_slots(0, start, 1)
+    assert start == 17 * bs
+
+
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("block-allocation", "prefix-caching", "copy-on-write")
+def test_window_with_fork_rollback_preemption_and_prefix_cache():
+    """n > 1 forks share freed entries and live blocks alike; a shared block goes back when
+    its last holder's window leaves it; rollback and preemption give back exactly what is
+    held; freed full blocks stay in the prefix cache, and a newcomer's hits are freed again
+    by its first step. The null block is never registered, even when registration lags."""
+    for bad in (0, -8, 2.5, "8"):
+        with pytest.raises(ValueError, match="sliding_window"):
+            BlockManager(40, 4, sliding_window=bad)
+    W, bs = 8, 4
+    bm = BlockManager(40, bs, sliding_window=W)
+    null = bm.null_block
+    prompt = list(range(100, 122))                                 # 22 tokens: 5 full blocks + 2
+    bm.allocate(1, prompt)
+    bm.append_slots(1, 0, 22)
+    bm.cache_full_blocks(1, prompt, 22)
+    assert null not in bm.tables[1], "the prompt's queries (positions 0..21) see all of it"
+    bm.fork(1, 2)
+    first = bm.tables[1][:3]
+    bm.changed.clear()
+    bm.append_slots(1, 22, 1)                                      # position 22 sees 15..22: blocks 0-2 out
+    assert bm.tables[1][:3] == [null] * 3 and 1 in bm.changed, "freed entries point at the null block"
+    assert all(bm.ref_count[b] == 1 for b in first), "still held by the child"
+    assert len(bm.pending_copies) == 1, "the parent wrote into the shared partial block: copy-on-write"
+    bm.append_slots(2, 22, 1)                                      # the child's first step
+    assert all(bm.ref_count[b] == 0 and b in bm.free_blocks for b in first) and len(bm.pending_copies) == 1
+    assert bm.num_cached_blocks == 5, "freed full blocks stay in the prefix cache"
+    bm.check_invariants()
+    bm.append_slots(1, 23, 5)                                      # verify 4 drafts at 23..27 ...
+    bm.truncate(1, 25)                                             # ... and keep 2 (speculative rollback)
+    assert live_blocks(bm, 1) == [4, 5, 6] and bm.tables[1][:4] == [null] * 4
+    bm.check_invariants()
+    bm.free(1)                                                     # preemption: back go the live blocks
+    bm.free(2)
+    bm.check_invariants()
+    assert bm.num_free_blocks == 39 and bm.ref_count[null] == 1
+    assert bm.allocate(3, prompt) == 20, "the chain of freed, still cached blocks is a hit"
+    bm.append_slots(3, 20, 2)                                      # its first step frees its dead hits again
+    assert bm.tables[3][:3] == [null] * 3
+    bm.check_invariants()
+    lag = BlockManager(16, 4, sliding_window=4)
+    toks = list(range(40))
+    lag.allocate(0, toks[:1])
+    for p in range(40):                                            # no registration between the steps
+        lag.append_slots(0, p, 1)
+    lag.cache_full_blocks(0, toks, 40)
+    assert lag.num_cached_blocks == 0 and null not in lag.block_key, "a chain through a freed block is lost"
+    lag.check_invariants()
+
+
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("block-allocation", "prefix-caching", "copy-on-write")
+def test_window_random_operations_keep_every_visible_position():
+    """Seeded random admissions (with prefix hits), prefill chunks, decodes, verify steps
+    with rollback, forks, preemptions and finishes under a window: after each, the
+    bookkeeping holds, every position the next query sees reads back its own K/V (a
+    shadow pool written through the slots handed out), and each sequence holds at most
+    ceil((W - 1 + its last step's tokens) / block_size) + 1 blocks."""
+    rng = random.Random(3)
+    W, bs, pool = 6, 4, 40
+    bm, kv = BlockManager(pool, bs, sliding_window=W), ShadowKV(pool, bs)
+    seqs, ids = {}, iter(range(10**6))
+    ops = dict.fromkeys(["admit", "step", "rollback", "fork", "free", "freed"], 0)
+    for _ in range(1500):
+        op, live = rng.random(), list(seqs)
+        if op < 0.15 or not live:
+            tokens = [rng.randrange(3) for _ in range(rng.randint(2, 30))]
+            sid = next(ids)
+            hit = bm.allocate(sid, tokens)
+            seqs[sid] = {"tokens": tokens, "computed": hit, "last": 0}
+            ops["admit"] += 1
+        elif op < 0.75:                                            # one step: a chunk, a decode or a verify
+            sid = rng.choice(live)
+            s = seqs[sid]
+            if s["computed"] == len(s["tokens"]):
+                s["tokens"] += [rng.randrange(3) for _ in range(rng.choice([1, 1, 4]))]
+            start, count = s["computed"], rng.randint(1, min(8, len(s["tokens"]) - s["computed"]))
+            if not bm.can_append(sid, start, count):
+                bm.free(sid)                                       # preempted; it never comes back here
+                del seqs[sid]
+                continue
+            slots = bm.append_slots(sid, start, count)
+            for src, dst in bm.pending_copies:
+                kv.copy(src, dst)
+            bm.pending_copies.clear()
+            for p, slot in zip(range(start, start + count), slots):
+                kv.write(slot, tuple(s["tokens"][:p + 1]))
+            s["computed"], s["last"] = start + count, count
+            if count > 1 and rng.random() < 0.3:                   # a verify step keeps >= 1 of its tokens
+                keep = rng.randint(start + 1, start + count)
+                bm.truncate(sid, keep)
+                s["tokens"], s["computed"] = s["tokens"][:keep], keep
+                ops["rollback"] += 1
+            if rng.random() < 0.9:                                 # the engine registers after every step
+                bm.cache_full_blocks(sid, s["tokens"], s["computed"])
+            ops["step"] += 1
+        elif op < 0.85:
+            sid, child = rng.choice(live), next(ids)
+            bm.fork(sid, child)
+            seqs[child] = {**seqs[sid], "tokens": list(seqs[sid]["tokens"])}
+            ops["fork"] += 1
+        else:
+            sid = rng.choice(live)
+            bm.free(sid)
+            del seqs[sid]
+            ops["free"] += 1
+        bm.check_invariants()
+        for sid, s in seqs.items():
+            table, c = bm.tables[sid], s["computed"]
+            seen = range(max(0, c - W + 1), c)                     # what the query at position c will see
+            assert all(kv.slots[table[p // bs]][p % bs] == tuple(s["tokens"][:p + 1]) for p in seen), \
+                f"sequence {sid} lost a position its next query sees"
+            assert len(live_blocks(bm, sid)) <= -(-(W - 1 + max(1, s["last"])) // bs) + 1
+            ops["freed"] += table.count(bm.null_block)
+    for sid in list(seqs):
+        bm.free(sid)
+    bm.check_invariants()
+    assert bm.num_free_blocks == pool - 1 and bm.ref_count[bm.null_block] == 1, "nothing leaked"
+    assert min(ops.values()) > 0, f"the random run missed an operation: {ops}"
+
+
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "block-allocation", "prefix-caching")
+def test_windowed_model_through_a_small_pool_equals_dense_windowed_reference():
+    """A tiny windowed model runs a 24-token prompt in chunks of 8, then decodes greedily
+    to 100 tokens through the paged cache, in a pool of ceil((W - 1 + 8) / bs) + 1 blocks
+    (+ the null block): its greedy tokens are the dense windowed reference's (the model
+    without a cache) and its logits match it."""
+    W, bs, prompt_len, total = 10, 4, 24, 100
+    model = tiny_model(seed=1, sliding_window=W)
+    blocks = -(-(W - 1 + 8) // bs) + 1
+    cache = KVCache(model.config, blocks + 1, bs, "cpu", torch.float32)
+    bm = BlockManager(blocks + 1, bs, sliding_window=W)
+    ids = torch.randint(0, 512, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    bm.allocate(0, ids)
+    step_logits, done = [], 0
+    while len(ids) < total:
+        count = min(8, len(ids) - done)
+        bm.reserve(0, done, count)
+        x, pos, ctx = AttentionContext.build(cache, bm, [(0, ids[done:done + count], done)], [count - 1], "cpu")
+        logits = model(x, pos, ctx)[-1]
+        done += count
+        if done == len(ids):
+            step_logits.append(logits)
+            ids.append(int(logits.argmax()))
+    dense = model(torch.tensor(ids), torch.arange(total))
+    assert ids[prompt_len:] == dense[prompt_len - 1:-1].argmax(-1).tolist(), "greedy tokens differ"
+    assert (torch.stack(step_logits) - dense[prompt_len - 1:-1]).abs().max() < 1e-4
+    unwindowed = tiny_model(seed=1)(torch.tensor(ids), torch.arange(total))
+    assert not torch.allclose(unwindowed, dense, atol=1e-2), "the window must matter"
+
+
+@pytest.mark.needs("kv-cache-bytes")
+def test_kv_heads_presets_scale_the_bytes_per_token():
+    """The lecture's GQA arithmetic on presets: MHA / GQA-8 = 4 and GQA-8 / MQA = 8."""
+    mha, gqa, mqa = (kv_cache_bytes(read_config(f"random:llama-3.2-1b{o}"), torch.bfloat16)
+                     for o in (":kv_heads=32", "", ":seed=1:kv_heads=1"))
+    assert mha / gqa == 4.0 and gqa / mqa == 8.0 and mqa == 2 * 16 * 64 * 2
 
 
 # ------------------------------------------------------------------- misuse

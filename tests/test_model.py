@@ -4,6 +4,8 @@ To pass, implement:
   * RMSNorm (equal to torch's F.rms_norm), RoPE (equal to rotating complex
     pairs, with scores depending only on relative position), GQA attention
     by grouping query heads (equal to SDPA with K/V heads repeated);
+  * in_window, Mistral's sliding window (each query sees its last W positions,
+    equal to SDPA with a band mask);
   * Transformer.forward(input_ids[N], positions[N], ctx=None): the dense
     causal path over one sequence;
   * generate: naive greedy generation without a cache.
@@ -17,7 +19,7 @@ The rest tests the plumbing behind load_model, given to students
     STRICT: the weights hold exactly the tensors the config implies, or one
     error lists every difference; ModelConfig.from_hf checks each field's
     type and range and names the field it refuses;
-  * "random:<preset>[:seed=N]": the published shapes and parameter counts
+  * "random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W]": the published shapes and parameter counts
     of SmolLM2-135M and Llama 3.x 1B-70B with seeded random weights made on
     the target device, scaled so activations stay finite through every
     layer and the logits are not flat;
@@ -27,6 +29,7 @@ The rest tests the plumbing behind load_model, given to students
     conversions left, survives concurrent starts, has ordinary permissions
     and says clearly when it cannot be written.
 """
+import dataclasses
 import errno
 import gzip
 import json
@@ -46,8 +49,8 @@ from conftest import FIXTURES, tiny_config, tiny_model
 from safetensors.torch import load_file
 
 import support.default_model as default_model
-from model import (ModelConfig, RMSNorm, Transformer, apply_rope, dense_causal_attention, generate,
-                   load_model, rope_frequencies)
+from model import (ModelConfig, RMSNorm, Transformer, apply_rope, dense_causal_attention, generate, in_window,
+                   load_model, read_config, rope_frequencies)
 
 GOLDEN = load_file(os.path.join(FIXTURES, "model_golden.safetensors"))
 
@@ -193,6 +196,75 @@ def test_tiny_model_is_causal_and_position_aware():
     assert torch.allclose(prefix, shifted, atol=1e-4), "RoPE sees relative positions only"
     spread = model(ids[:7], torch.arange(7) * 2)
     assert not torch.allclose(prefix, spread, atol=1e-3), "relative positions must change the output"
+
+
+# ------------------------------------------------ sliding-window attention (Mistral)
+
+def band_reference(q, k, v, window):
+    """Causal attention with Mistral's window, built independently of model.py: SDPA with an
+    explicit mask, True where key j is one of the last `window` positions of query i."""
+    N, G = q.shape[0], q.shape[1] // k.shape[1]
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    mask = (j <= i) & (i - j < window)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(G, 1).transpose(0, 1),
+                                         v.repeat_interleave(G, 1).transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.assignment("sliding-window")
+def test_in_window_is_mistrals_convention():
+    """Hugging Face masks Mistral's sliding_window as kv > q - W: W positions, the query's
+    own included (with W = 3, query 4 sees 2, 3, 4), wherever the query positions start."""
+    got = in_window(torch.arange(6), torch.arange(6), 3)
+    assert got.shape == (6, 6) and got.dtype == torch.bool
+    assert torch.equal(got, torch.tensor([[q - 3 < k for k in range(6)] for q in range(6)]))
+    assert got[4].tolist() == [False, False, True, True, True, True], "not causal: that is the caller's mask"
+    decode = in_window(torch.tensor([100, 101]), torch.arange(102), 3)
+    assert [r.nonzero().flatten().tolist()[:3] for r in decode] == [[98, 99, 100], [99, 100, 101]]
+    assert in_window(torch.arange(5), torch.arange(5), 1).diagonal().all()
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 12, 13, 40])
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("gqa-attention")
+def test_dense_windowed_attention_equals_band_masked_sdpa(window):
+    torch.manual_seed(window)
+    N, d = 13, 16
+    for n_heads, n_kv in [(4, 4), (6, 2), (9, 3)]:
+        q, k, v = torch.randn(N, n_heads, d), torch.randn(N, n_kv, d), torch.randn(N, n_kv, d)
+        got = dense_causal_attention(q, k, v, window)
+        assert torch.allclose(got, band_reference(q, k, v, window), atol=1e-5), f"W={window}, GQA {n_heads}/{n_kv}"
+        if window < N:
+            assert not torch.allclose(got, dense_causal_attention(q, k, v), atol=1e-3), "the window must mask"
+        else:
+            assert torch.allclose(got, dense_causal_attention(q, k, v), atol=1e-6), "W >= N: plain causal"
+
+
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("model")
+def test_windowed_model_sees_its_last_w_positions_per_layer():
+    """The model without a cache (the dense reference): with one layer, position p depends
+    on tokens p-W+1..p alone; with two, on p-2(W-1)..p (each layer reaches W - 1 further
+    back: the receptive field grows, the cache need not). A window as long as the sequence
+    is plain causal attention; the same seed gives the same weights, window or not."""
+    W, N = 4, 24
+    ids = torch.randint(0, 512, (N,), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(N)
+    one = tiny_model(n_layers=1, sliding_window=W)
+    full = one(ids, pos)
+    for p in (2, 3, 10, 23):
+        lo = max(0, p - W + 1)
+        assert torch.allclose(full[p], one(ids[lo:p + 1], pos[lo:p + 1])[-1], atol=1e-5), f"position {p}"
+    two = tiny_model(n_layers=2, sliding_window=W)
+    p, reach = N - 1, 2 * (W - 1)
+    out = two(ids, pos)[p]
+    far, edge = ids.clone(), ids.clone()
+    far[p - reach - 1] = (far[p - reach - 1] + 1) % 512            # beyond two layers' reach: no effect
+    edge[p - reach] = (edge[p - reach] + 1) % 512                   # at its edge: seen through layer 1
+    assert torch.allclose(two(far, pos)[p], out, atol=1e-5)
+    assert not torch.allclose(two(edge, pos)[p], out, atol=1e-4)
+    assert torch.allclose(tiny_model(n_layers=2, sliding_window=N)(ids, pos), tiny_model(n_layers=2)(ids, pos),
+                          atol=1e-6)
 
 
 # ------------------------------------------------ against Hugging Face transformers
@@ -355,6 +427,7 @@ BAD_FIELDS = [
     ("rope_scaling", "llama3"), ("rope_scaling", [8.0]),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
     ("architectures", "LlamaForCausalLM"),
+    ("sliding_window", 0), ("sliding_window", -4096), ("sliding_window", "4096"), ("sliding_window", 4096.0),
 ]
 BAD_ROPE = [("factor", None), ("factor", 0), ("factor", "8"), ("factor", 0.5), ("low_freq_factor", 0),
             ("high_freq_factor", 1.0), ("high_freq_factor", "4"), ("original_max_position_embeddings", 0),
@@ -396,6 +469,10 @@ def test_valid_config_variants_are_accepted():
     v5 = {k: v for k, v in PUBLISHED_SMOLLM2.items() if k != "rope_theta"}
     cfg = ModelConfig.from_hf({**v5, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}})
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["factor"] == 8.0
+    assert cfg.sliding_window is None, "no sliding_window field: full attention"
+    mistral = {**PUBLISHED_SMOLLM2, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    assert ModelConfig.from_hf({**mistral, "sliding_window": 4096}).sliding_window == 4096, "Mistral 7B v0.1"
+    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).sliding_window is None, "v0.2 on: null"
     with pytest.raises(ValueError, match="head_dim"):   # 576 / 7 heads is not whole: head_dim must be stated
         ModelConfig.from_hf({**PUBLISHED_SMOLLM2, "num_attention_heads": 7, "num_key_value_heads": 7,
                              "head_dim": None})
@@ -563,6 +640,9 @@ def test_read_config_reads_no_weight(tmp_path, real_path):
     assert cfg == load_model(real_path, device="meta")[1] and cfg.random_seed is None
     assert read_config("random:tiny:seed=3") == load_model("random:tiny:seed=3", device="meta")[1]
     assert read_config("random:tiny:seed=3").random_seed == 3, "a preset's config says its weights are random"
+    hf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**hf, "sliding_window": 64}))
+    assert read_config(str(d)).sliding_window == 64, "a checkpoint's window comes from its config.json"
     with pytest.raises(FileNotFoundError, match="not found"):
         read_config(str(tmp_path / "nope"))
 
@@ -679,6 +759,36 @@ def test_random_weights_stay_finite_at_70b_depth():
                       rope_theta=500000.0, tie_embeddings=False, max_seq_len=4096)
     model, _ = random_weights(cfg, seed=0, dtype=torch.bfloat16)
     check_random_model(model, n_prompts=4)
+
+
+@pytest.mark.needs("rmsnorm-rope")
+def test_preset_options_set_kv_heads_and_window_on_the_same_body():
+    """random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W], in any order: MHA, GQA or MQA
+    and a window over the published shapes. For a given seed only k_proj and v_proj differ
+    (their shape: kv_heads * head_dim rows); every other tensor is the same."""
+    a = read_config("random:llama-3.2-1b:kv_heads=32:seed=3:sliding_window=256")
+    assert a == read_config("random:llama-3.2-1b:sliding_window=256:seed=3:kv_heads=32")
+    assert (a.n_kv_heads, a.sliding_window, a.random_seed) == (32, 256, 3)
+    from support.checkpoint import PRESETS, preset_config   # the config.json a peer (transformers) would get
+    assert preset_config("random:tiny:seed=3:kv_heads=1") == {**PRESETS["tiny"], "num_key_value_heads": 1}
+    base = read_config("random:llama-3.2-1b")
+    assert base.sliding_window is None and dataclasses.replace(a, n_kv_heads=8, sliding_window=None,
+                                                               random_seed=0) == base, "the same body otherwise"
+    gqa, _ = load_model("random:tiny:seed=2")
+    mqa, cfg = load_model("random:tiny:kv_heads=1:sliding_window=8:seed=2")
+    assert (cfg.n_kv_heads, cfg.sliding_window) == (1, 8)
+    for name, t in gqa.state_dict().items():
+        other = mqa.state_dict()[name]
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            assert other.shape == (16, 64) and t.shape == (32, 64)
+        else:
+            assert torch.equal(t, other), name
+    for bad, match in [("kv_heads=3", "not a multiple"), ("kv_heads=0", "num_key_value_heads"),
+                       ("kv_heads=5", "num_key_value_heads"), ("sliding_window=0", "sliding_window"),
+                       ("kv_heads=1:kv_heads=1", "at most once"), ("window=4", "sliding_window=W"),
+                       ("kv_heads=one", "kv_heads=N"), ("", "bad option")]:
+        with pytest.raises(ValueError, match=match):
+            read_config(f"random:tiny:{bad}")
 
 
 def test_bad_random_names():
