@@ -121,7 +121,8 @@ ASSIGNMENTS = {
     "scheduler-step": Assignment(
         "6. continuous batching (scheduler.py): the step",
         "decodes first (preempting the newest running sequence while the pool is short), then prefill chunks, "
-        "then FCFS admissions within seats and the token budget; preempt requeues at the front"),
+        "then FCFS admissions within seats and the token budget; preempt requeues at the front; a request still "
+        "scoring its prompt (prompt_logprobs) is admitted with allocate(..., use_prefix_cache=False)"),
     "sampler": Assignment(
         "6. continuous batching (sampler.py): the sampler",
         "temperature, then top-k, then top-p per row; an inverse-CDF draw with one uniform per row; "
