@@ -28,6 +28,25 @@ bound the lecture predicts next to the measurement:
                                          # torch.compile's first build included)
     python bench.py --only batching,compile --json results.json
     python bench.py --model random:llama-3.1-8b --only overhead,serving,tensor-parallel
+    python bench.py --check              # on a GPU, FIRST: a verdict per GPU path in <= 3 minutes
+    python bench.py --check --device cpu --model random:smollm2-tiny   # its dry run (CI, < 30 s)
+
+Pictures. Every experiment where a picture says more than its table
+(roofline, batching, kv-cache, speculative, serving, quantization) writes a
+PNG titled with its lesson, the device, the model and the date: into the
+folder beside --json (results/x.json -> results/x/), or --plots DIR, or
+./bench-plots; --no-plots writes none. They are drawn from the results dict
+alone (plot_* below), so a results file can be re-plotted without a model.
+
+Honest comparisons. In float32 every path of this engine gives exactly the
+dense path's greedy tokens, and the tables say "same tokens". In bf16 each
+path rounds differently, so two correct paths drift apart after a few tokens
+and "same tokens" would read False everywhere: there the tables give the
+tokens two paths share up to their first divergence, and each path's largest
+|logit difference| from float32 arithmetic on the same weights and tokens.
+
+Isolation. An experiment that raises reports its error in its table and its
+JSON entry, and the next one runs; the exit status says whether any failed.
 
 The scale. A GPU is wasted on a 135M model (a decode step reads 0.27 GB:
 the GPU idles), so on a GPU with no --model the TIMING experiments run on
@@ -46,6 +65,7 @@ its entry; a file that is not bench results is refused, never overwritten).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import datetime
 import functools
@@ -62,16 +82,18 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
 
+import kernels
 from cache import AttentionContext, BlockManager, kv_cache_bytes
 from model import default_model_path, generate, load_model
 from parallel import (NVLINK_H100_SXM, PCIE_GEN5_X16, TensorParallelError, TensorParallelGroup,
                       check_tensor_parallel, tensor_parallel_cost)
 from kernels import batched_paged_attention, dynamic, layer_cache, paged_attention_in_place, size_oblivious
-from quantize import decode_weight_bytes
+from quantize import FUSED_ROWS, Int8KVCache, Int8Linear, decode_weight_bytes, quantize_model
 from scheduler import LLM, SamplingParams
 from serve import make_server
 from support.checkpoint import PRESETS, RANDOM_PREFIX, parse_random_path
@@ -98,7 +120,7 @@ CPU_POOL = 1 << 30
 # timing model in bf16 and the 135M default model for quality. Estimates (not
 # measured here: this was written on a CPU), from 16 GB of weights per step
 # (>= 5.4 ms at ~3 TB/s; ~15 ms assumed for an eager step at batch <= 16):
-#   roofline              ~10 s  12 decode steps, 6 prefills of 512 tokens
+#   roofline              ~15 s  12 decode steps at each of batch 1, 4, 16, 64; 6 prefills of 512 tokens
 #   kv-cache              ~45 s  naive 1024 tokens = 1024 dense passes (~16 s), cached (~15 s), once each
 #   batching              ~20 s  prefills of up to 64 x 2048 tokens (~5 s at batch 64), 12 steps per batch
 #   continuous-vs-static  ~30 s  64 requests of <= 256 tokens on 16 seats, twice
@@ -232,7 +254,8 @@ class Bench:
             # this is the denominator of the decode roofline.
             n = self.q(256, 32) * 2**20 // 4
             a, b = torch.randn(n, device=self.device), torch.empty(n, device=self.device)
-            self.machine["bandwidth"] = 2 * a.numel() * 4 / self.timeit(lambda: b.copy_(a), self.q(10, 3))
+            t = batch_seconds(lambda: b.copy_(a), self.device, calls=self.q(20, 4), samples=self.q(5, 3))
+            self.machine["bandwidth"] = 2 * a.numel() * 4 / t
         return self.machine["bandwidth"]
 
     def flops(self, dtype) -> float:
@@ -242,8 +265,38 @@ class Bench:
             # is the ceiling prefill can approach (the other roofline).
             n = self.q(4096 if self.device.type == "cuda" else 1024, 256)
             a = torch.randn(n, n, device=self.device, dtype=dtype)
-            self.machine["flops"] = 2 * n**3 / self.timeit(lambda: a @ a, self.q(10, 3))
+            t = batch_seconds(lambda: a @ a, self.device, calls=self.q(10, 2), samples=self.q(5, 3))
+            self.machine["flops"] = 2 * n**3 / t
         return self.machine["flops"]
+
+
+def batch_seconds(fn, device, calls: int, samples: int) -> float:
+    """Median seconds of ONE fn() call, each of `samples` samples timing `calls` calls back to back.
+
+    Why a batch: a ~0.2 ms GPU copy timed alone pays a host synchronization and
+    the clock's granularity every time (5-10% of it), so the bandwidth reads low
+    and every "fraction of roofline" high. On CUDA, events recorded on the stream
+    around each batch time the device itself, and the host waits once, at the end;
+    on a CPU the clock brackets `calls` calls."""
+    fn()                                             # warm-up: the allocator, first touch of the pages
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(samples)]
+        for start, end in events:
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+        events[-1][1].synchronize()                  # the one wait: every earlier event has completed too
+        times = [start.elapsed_time(end) / 1e3 / calls for start, end in events]    # elapsed_time: ms
+    else:
+        times = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
 
 
 def table(headers, rows) -> str:
@@ -304,6 +357,113 @@ def model_flops_per_token(cfg, context: int) -> float:
     per_layer = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f) + 4 * h * hd * context
     return cfg.n_layers * per_layer + 2 * d * cfg.vocab_size
     # end assignment
+
+
+# ----------------------------------------------------------------------------
+# Comparing two paths: exact in float32, honest in bf16
+# ----------------------------------------------------------------------------
+# In float32 every path of this engine (KV cache, compiled, speculative, split over
+# N devices) gives exactly the dense path's greedy tokens: tests/ proves it, and a
+# table says "same tokens: True". In bf16 each path rounds differently (another
+# summation order, another kernel), so two correct paths part after a few tokens
+# and "same tokens" reads False in every row: no information. There two paths are
+# compared by the greedy tokens they share up to the first divergence, and each
+# path by its largest |logit difference| from float32 arithmetic on the same
+# weights and the same tokens: bf16's rounding shows as ~0.1, a wrong path as ~1-10.
+
+def exact(dtype) -> bool:
+    """Whether two correct paths must give the same greedy tokens (float32 only)."""
+    return dtype == torch.float32
+
+
+def agreement(a, b) -> int:
+    """How many leading tokens two greedy outputs share: the position of the first divergence."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def tokens_cell(dtype, a, ref):
+    """A table's comparison of output `a` with `ref`: exact equality in float32, else "shared/total"."""
+    return a == ref if exact(dtype) else f"{agreement(a, ref)}/{len(ref)}"
+
+
+def tokens_header(dtype, what: str = "same tokens") -> str:
+    return what if exact(dtype) else "tokens shared (to 1st divergence)"
+
+
+class LogitTap:
+    """While active, records the logits an engine's steps return (LLM._forward), row by row:
+    [(request id, position, first position fed that step, tokens fed up to the row, logits)].
+    A row predicts the token after `position`; a row behind a rejected draft was conditioned
+    on a token the output does not keep, and `rows()` drops it."""
+
+    def __init__(self, llm):
+        self.llm, self.seen = llm, []
+
+    def __enter__(self):
+        inner = self.llm._forward
+
+        def forward(batch, rows, *args, **kw):
+            logits = inner(batch, rows, *args, **kw)
+            if isinstance(logits, torch.Tensor) and logits.shape[0] == len(rows):
+                starts = list(itertools.accumulate((it.count for it in batch), initial=0))
+                for r, row in zip(rows, logits.float().cpu()):
+                    i = bisect.bisect_right(starts, r) - 1                  # the item fed in flat row r
+                    it, j = batch[i], r - starts[i]
+                    self.seen.append((it.seq.request.request_id, it.start + j, it.start, list(it.tokens[:j + 1]), row))
+            return logits
+        self.llm._forward = forward              # an instance attribute, shadowing the method
+        return self
+
+    def __exit__(self, *exc):
+        del self.llm._forward
+
+    def rows(self, out) -> dict:
+        """{position: logits} of one finished output, only rows conditioned on its own tokens."""
+        seq = list(out.prompt_token_ids) + list(out.token_ids)
+        return {p: row for rid, p, start, fed, row in self.seen if rid == out.request_id and seq[start:p + 1] == fed}
+
+
+def naive_rows(model, prompt, n: int):
+    """(tokens, {position: logits}) of model.generate's naive greedy run: each step's last row."""
+    rows = {}
+    hook = model.register_forward_hook(lambda m, args, out: rows.__setitem__(len(args[0]) - 1, out[-1].float().cpu()))
+    try:
+        tokens = generate(model, prompt, n)
+    finally:
+        hook.remove()
+    return tokens, rows
+
+
+@contextlib.contextmanager
+def float32_weights(model):
+    """The model's weights and buffers upcast to float32 in place, cast back afterwards
+    (bf16 -> fp32 -> bf16 is exact). Not on an engine that recorded CUDA graphs: their
+    addresses would change."""
+    old = [(t, t.dtype) for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()]
+    for t, _ in old:
+        t.data = t.data.float()
+    try:
+        yield model
+    finally:
+        for t, dtype in old:
+            t.data = t.data.to(dtype)
+
+
+@torch.inference_mode()
+def float32_gaps(model, paths) -> list:
+    """Each path's largest |logit - float32 logit|: paths = [(tokens, {position: logits})], the float32
+    logits from one dense pass of `model` (weights upcast) over the path's own tokens."""
+    device, gaps = next(model.parameters()).device, []
+    with float32_weights(model):
+        for tokens, rows in paths:
+            if not rows:
+                gaps.append(float("nan"))
+                continue
+            ids = torch.tensor(tokens[:max(rows) + 1], device=device)
+            ref = model(ids, torch.arange(len(ids), device=device)).float()          # [T, V]
+            pos = sorted(rows)
+            gaps.append((torch.stack([rows[p] for p in pos]) - ref[pos].cpu()).abs().max().item())
+    return gaps
 
 
 # ----------------------------------------------------------------------------
@@ -442,20 +602,36 @@ def exp_overhead(b: Bench):
     return fig, text
 
 
+def _roofline_points(b: Bench, llm, batches, context: int, W: int, kv: int, flop_tok: float) -> list:
+    """Measured decode steps at each batch, as roofline points: arithmetic intensity
+    (the step's FLOPs over its bytes: every weight once, each sequence's KV) and the
+    FLOP/s the step attained."""
+    points = []
+    for B in batches:
+        b.progress(f"roofline: decode step at batch {B}")
+        t = decode_step_seconds(b, llm, B, context, b.q(10, 3))
+        step_flops, step_bytes = flop_tok * B, W + kv * context * B
+        points.append({"batch": B, "step_ms": t * 1e3, "flops_per_byte": step_flops / step_bytes,
+                       "attained_flops_per_s": step_flops / t, "bound_ms": max(step_bytes / b.bandwidth(),
+                                                                               step_flops / b.flops(llm.dtype)) * 1e3})
+    return points
+
+
 def exp_roofline(b: Bench):
+    context, batches = b.q(512, 32), b.q([1, 4, 16], [1, 4], gpu=[1, 4, 16, 64])
     # No prefix caching: the prefill is timed on the same prompt again and again,
     # and every run must compute all of it.
-    llm = b.llm(max_num_seqs=1, enable_prefix_caching=False)
+    llm = b.llm(max_num_seqs=max(batches), enable_prefix_caching=False,
+                kv_cache_bytes=b.pool_bytes(b.path, max(batches) * (context + 96)))
     cfg, bw = llm.config, b.bandwidth()
     flops = b.flops(llm.dtype)
     W, kv = decode_weight_bytes(llm.model), llm.cache.bytes_per_token
-    context = b.q(512, 32)
     flop_tok = model_flops_per_token(cfg, context)
     # The lecture's decode bound: a batch-1 step must read every weight and the
     # sequence's whole KV cache once, so it cannot beat bytes / bandwidth.
     decode_bound = (W + kv * context) / bw
-    b.progress("roofline: decode step at batch 1")
-    decode = decode_step_seconds(b, llm, 1, context, b.q(10, 3))
+    points = _roofline_points(b, llm, batches, context, W, kv, flop_tok)
+    decode = points[0]["step_ms"] / 1e3
     b.progress("roofline: prefill")
     prompt = list(range(10, 10 + context))
     prefill = b.timeit(lambda: llm.generate([prompt], SamplingParams(max_tokens=1)), b.q(5, 2))
@@ -471,19 +647,26 @@ def exp_roofline(b: Bench):
         rows.append([B, step_flops / step_bytes, "memory" if step_bytes / bw >= step_flops / flops else "compute",
                      t * 1e3, B / t])
     fig = {"bandwidth_GBps": bw / 1e9, "matmul_TFLOPs": flops / 1e12, "weight_bytes": W,
+           "dtype": str(llm.dtype).replace("torch.", ""),
            "kv_bytes_per_token": kv, "context": context, "flops_per_token": flop_tok,
            "decode_bound_ms": decode_bound * 1e3, "decode_measured_ms": decode * 1e3,
-           "decode_fraction_of_roofline": decode_bound / decode,
+           "decode_fraction_of_roofline": decode_bound / decode, "decode_points": points,
            "prefill_tokens": context, "prefill_bound_ms": prefill_bound * 1e3, "prefill_measured_ms": prefill * 1e3,
            "prefill_fraction_of_roofline": prefill_bound / prefill,
+           # prefill reads the weights once and writes `context` tokens of KV for flop_tok * context FLOPs
+           "prefill_point": {"flops_per_byte": flop_tok * context / (W + kv * context),
+                             "attained_flops_per_s": flop_tok * context / prefill},
            "machine_balance_flops_per_byte": flops / bw,
            "intensity": [{"batch": r[0], "flops_per_byte": r[1], "bound_by": r[2], "bound_ms": r[3]} for r in rows]}
+    measured = [[f"decode, batch {p['batch']}, {context}-token context", p["bound_ms"], p["step_ms"],
+                 p["bound_ms"] / p["step_ms"], p["flops_per_byte"], p["attained_flops_per_s"] / 1e9] for p in points]
+    measured.append([f"prefill of {context} tokens", prefill_bound * 1e3, prefill * 1e3, prefill_bound / prefill,
+                     fig["prefill_point"]["flops_per_byte"], fig["prefill_point"]["attained_flops_per_s"] / 1e9])
     text = (f"Device: {bw / 1e9:.1f} GB/s copy bandwidth, {flops / 1e12:.2f} TFLOP/s matmul "
             f"({llm.dtype}); machine balance {flops / bw:.0f} FLOP/byte.\n"
             f"Weights read per decode step {W / 1e6:.1f} MB, KV cache {kv} B/token.\n\n" +
-            table(["step", "bound (ms)", "measured (ms)", "fraction of roofline"],
-                  [[f"decode, batch 1, {context}-token context", decode_bound * 1e3, decode * 1e3, decode_bound / decode],
-                   [f"prefill of {context} tokens", prefill_bound * 1e3, prefill * 1e3, prefill_bound / prefill]]) +
+            table(["step", "bound (ms)", "measured (ms)", "fraction of roofline", "FLOP/byte", "attained GFLOP/s"],
+                  measured) +
             "\n\nArithmetic intensity of a decode step (FLOPs per byte ~ batch size):\n\n" +
             table(["batch", "FLOP/byte", "bound by", "bound step (ms)", "bound tokens/s"], rows))
     return fig, text
@@ -493,7 +676,7 @@ def exp_kv_cache(b: Bench):
     # No prefix caching: every cached run must compute its prompt too, as the naive one does.
     llm = b.llm(max_num_seqs=1, enable_prefix_caching=False)
     prompt = llm.tokenizer.encode(eval_text())[:32]
-    rows, fig = [], {"prompt_tokens": len(prompt), "lengths": []}
+    rows, fig = [], {"prompt_tokens": len(prompt), "dtype": str(llm.dtype).replace("torch.", ""), "lengths": []}
     # Naive generation re-runs the whole sequence every step (O(T^2) token
     # passes); with the cache each step is one token (O(T)). So the speedup
     # must grow with the output length, and the tokens must be the same.
@@ -506,13 +689,28 @@ def exp_kv_cache(b: Bench):
         b.progress(f"kv-cache: {n} tokens, cached")
         params = SamplingParams(max_tokens=n, ignore_eos=True)
         t_cache, out = timed(lambda: llm.generate([prompt], params)[0], reps, 1 if reps > 1 else 0, b.sync)
-        same = out.token_ids == naive_ids
-        rows.append([n, t_naive / n * 1e3, t_cache / n * 1e3, t_naive / t_cache, same])
-        fig["lengths"].append({"tokens": n, "naive_ms_per_token": t_naive / n * 1e3,
-                               "cached_ms_per_token": t_cache / n * 1e3, "speedup": t_naive / t_cache,
-                               "naive_tokens": len(naive_ids), "cached_tokens": len(out.token_ids),
-                               "same_tokens": same})
-    return fig, table(["output tokens", "naive ms/token", "KV cache ms/token", "speedup", "same tokens"], rows)
+        p = {"tokens": n, "naive_ms_per_token": t_naive / n * 1e3, "cached_ms_per_token": t_cache / n * 1e3,
+             "speedup": t_naive / t_cache, "naive_tokens": len(naive_ids), "cached_tokens": len(out.token_ids),
+             "shared_tokens": agreement(out.token_ids, naive_ids)}
+        if exact(llm.dtype):
+            p["same_tokens"] = out.token_ids == naive_ids
+        fig["lengths"].append(p)
+        rows.append([n, t_naive / n * 1e3, t_cache / n * 1e3, t_naive / t_cache,
+                     tokens_cell(llm.dtype, out.token_ids, naive_ids)])
+    text = table(["output tokens", "naive ms/token", "KV cache ms/token", "speedup", tokens_header(llm.dtype)], rows)
+    if not exact(llm.dtype):
+        # Each path's rounding, measured on a short untimed run: both paths against float32.
+        n = fig["lengths"][0]["tokens"]
+        naive = naive_rows(llm.model, prompt, n)
+        with LogitTap(llm) as tap:
+            out = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+        cached = (prompt + out.token_ids, tap.rows(out))
+        gaps = float32_gaps(llm.model, [(prompt + naive[0], naive[1]), cached])
+        fig["max_logit_diff_vs_float32"] = {"tokens": n, "naive": gaps[0], "cached": gaps[1]}
+        text += (f"\n\n{fig['dtype']}: the two paths round differently, so their greedy tokens part after a few; "
+                 "the column counts the tokens they share up to the first divergence. Largest |logit - float32 "
+                 f"logit| over {n} tokens (same weights, same tokens): naive {gaps[0]:.3g}, KV cache {gaps[1]:.3g}.")
+    return fig, text
 
 
 def exp_batching(b: Bench):
@@ -527,7 +725,8 @@ def exp_batching(b: Bench):
     max_b = min(max_b, llm.block_manager.num_blocks * llm.block_manager.block_size // per_seq)
     bw, flops = b.bandwidth(), b.flops(llm.dtype)
     W, kv, flop_tok = decode_weight_bytes(llm.model), llm.cache.bytes_per_token, model_flops_per_token(llm.config, context)
-    rows, fig, B = [], {"context": context, "weight_bytes": W, "kv_bytes_per_token": kv, "points": []}, 1
+    rows, B = [], 1
+    fig = {"context": context, "weight_bytes": W, "kv_bytes_per_token": kv, "dtype": str(llm.dtype)[6:], "points": []}
     while B <= max_b:
         b.progress(f"batching: batch {B}")
         t = decode_step_seconds(b, llm, B, context, steps)
@@ -651,7 +850,8 @@ def _spec_run(b: Bench, llm, prompt, params, k: int, plain) -> dict:
     t_plain, ref, plain_steps = plain
     t_spec = b.timeit(lambda: llm.generate([prompt], params), b.q(3, 1, gpu=2))
     s0 = dict(llm.stats)
-    o = llm.generate([prompt], params)[0]
+    with LogitTap(llm) as tap:                   # (the untimed run: its rows are compared with float32 in bf16)
+        o = llm.generate([prompt], params)[0]
     steps = llm.stats["steps"] - s0["steps"]
     drafted = llm.stats["draft_tokens"] - s0["draft_tokens"]
     alpha = (llm.stats["accepted_tokens"] - s0["accepted_tokens"]) / drafted if drafted else 0.0
@@ -662,9 +862,16 @@ def _spec_run(b: Bench, llm, prompt, params, k: int, plain) -> dict:
     pass_cost = (t_spec / steps) / (t_plain / plain_steps)
     expected = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
     predicted = expected / pass_cost * (len(o.token_ids) / len(ref.token_ids))
-    return {"k": k, "alpha": alpha, "tokens": len(o.token_ids), "passes": steps,
-            "tokens_per_pass": len(o.token_ids) / steps, "pass_cost_ratio": pass_cost,
-            "speedup": t_plain / t_spec, "predicted_speedup": predicted, "same_tokens": o.token_ids == ref.token_ids}
+    run = {"k": k, "alpha": alpha, "tokens": len(o.token_ids), "passes": steps,
+           "tokens_per_pass": len(o.token_ids) / steps, "pass_cost_ratio": pass_cost,
+           "speedup": t_plain / t_spec, "predicted_speedup": predicted,
+           "shared_tokens": agreement(o.token_ids, ref.token_ids), "cell": tokens_cell(llm.dtype, o.token_ids,
+                                                                                     ref.token_ids)}
+    if exact(llm.dtype):
+        run["same_tokens"] = o.token_ids == ref.token_ids
+    else:
+        run["max_logit_diff_vs_float32"] = float32_gaps(llm.model, [(prompt + o.token_ids, tap.rows(o))])[0]
+    return run
 
 
 def exp_speculative(b: Bench):
@@ -674,16 +881,19 @@ def exp_speculative(b: Bench):
     out = b.q(128, 16)
     params = SamplingParams(max_tokens=out)
     base_llm = b.llm(path=b.quality_path, max_num_seqs=1)
-    prompts = _spec_prompts(base_llm, b)
-    plain = {}
+    prompts, dtype = _spec_prompts(base_llm, b), base_llm.dtype
+    plain, fig = {}, {"dtype": str(dtype).replace("torch.", ""), "runs": []}
     for wname, prompt in prompts.items():
         b.progress(f"speculative: {wname}, plain")
         t_plain = b.timeit(lambda: base_llm.generate([prompt], params), b.q(3, 1, gpu=2))
         steps0 = base_llm.stats["steps"]
-        ref = base_llm.generate([prompt], params)[0]
+        with LogitTap(base_llm) as tap:
+            ref = base_llm.generate([prompt], params)[0]
         plain[wname] = (t_plain, ref, base_llm.stats["steps"] - steps0)
+        if not exact(dtype):                        # the plain path's own rounding, for comparison
+            fig.setdefault("plain_max_logit_diff_vs_float32", {})[wname] = float32_gaps(
+                base_llm.model, [(prompt + ref.token_ids, tap.rows(ref))])[0]
     del base_llm
-    fig = {"runs": []}
     for drafter in drafters:
         for k in b.q([1, 2, 4, 6, 8], [1, 4], gpu=[1, 2, 4, 8]):
             # One engine per (drafter, k), running both workloads: engines cost seconds to build.
@@ -694,12 +904,19 @@ def exp_speculative(b: Bench):
                 fig["runs"].append({"workload": wname, "drafter": os.path.basename(drafter), **run})
             del llm
     fig["runs"].sort(key=lambda r: (list(prompts).index(r["workload"]), r["drafter"], r["k"]))
+    gap = [] if exact(dtype) else ["max |logit diff| vs float32"]
     rows = [[r["workload"], r["drafter"], r["k"], r["alpha"], r["tokens_per_pass"], r["pass_cost_ratio"],
-             r["speedup"], r["predicted_speedup"], r["same_tokens"]] for r in fig["runs"]]
+             r["speedup"], r["predicted_speedup"], r.pop("cell")] + ([r["max_logit_diff_vs_float32"]] if gap else [])
+            for r in fig["runs"]]
     text = (f"Greedy, {out} new tokens, batch 1. Predicted speedup = (1 - a^(k+1)) / (1 - a) tokens per "
             "pass / measured cost of a verify pass relative to a decode pass.\n\n" +
             table(["workload", "drafter", "k", "acceptance a", "tokens/pass", "pass cost", "speedup",
-                   "predicted", "same tokens"], rows))
+                   "predicted", tokens_header(dtype, "same tokens")] + gap, rows))
+    if gap:
+        text += (f"\n\n{fig['dtype']}: the tokens column counts those shared with plain decoding up to the first "
+                 "divergence (a verify pass of k+1 tokens rounds differently from k+1 decode steps); the last column "
+                 "is each run's largest |logit - float32 logit| on its own tokens; plain decoding's: " +
+                 ", ".join(f"{w} {g:.3g}" for w, g in fig["plain_max_logit_diff_vs_float32"].items()) + ".")
     return fig, text
 
 
@@ -780,6 +997,25 @@ def attention_bandwidth(cache, n_heads: int, batch: int, context: int, repeats: 
             "gather_s": t_gather, "gather_GBps": nbytes / t_gather / 1e9}
 
 
+def _compare_compiled(comp, prompt, eager_out, eager_rows, check) -> tuple[dict, str]:
+    """The compiled engine's greedy tokens against the eager engine's: equal in float32; in
+    bf16, shared up to the first divergence, and each path's largest |logit - float32 logit|."""
+    with LogitTap(comp) as tap:
+        out = comp.generate([prompt], check)[0]
+    ref, dtype = eager_out.token_ids, comp.dtype
+    if exact(dtype):
+        same = out.token_ids == ref
+        return {"same_tokens": same}, f"Greedy tokens of the compiled engine equal the eager engine's: {same}."
+    # comp.model's weights are cast to float32 and back for the reference: its recorded CUDA
+    # graphs then point at freed storage, so this runs last, when the engine is done.
+    gaps = float32_gaps(comp.model, [(prompt + ref, eager_rows), (prompt + out.token_ids, tap.rows(out))])
+    fig = {"shared_tokens": agreement(out.token_ids, ref), "tokens_compared": len(ref),
+           "max_logit_diff_vs_float32": {"eager": gaps[0], "compiled": gaps[1]}}
+    return fig, (f"{str(dtype).replace('torch.', '')}: the compiled engine's greedy tokens follow the eager "
+                 f"engine's for {fig['shared_tokens']}/{len(ref)} tokens (fused kernels round differently); "
+                 f"largest |logit - float32 logit| on their own tokens: eager {gaps[0]:.3g}, compiled {gaps[1]:.3g}.")
+
+
 def exp_compile(b: Bench):
     # The smoke run compiles batch 1 only: each compiled graph costs ~20 s cold on
     # a 2-core CPU (batch 1 and batch > 1 are two graphs, see kernels.py).
@@ -789,10 +1025,12 @@ def exp_compile(b: Bench):
     b.progress("compile: eager")
     e = {B: decode_step_seconds(b, eager, B, context, steps) for B in sizes}
     # The exactness check of the compiled path: the same greedy tokens (bit-exact in float32;
-    # in bf16 fused and unfused roundings may differ after a few tokens).
+    # in bf16 fused and unfused roundings may differ after a few tokens: see _compare_compiled).
     prompt = eager.tokenizer.encode(eval_text())[:context]
     check = SamplingParams(max_tokens=b.q(32, 8), ignore_eos=True)
-    ref = eager.generate([prompt], check)[0].token_ids
+    with LogitTap(eager) as tap:
+        ref = eager.generate([prompt], check)[0]
+    ref_rows = tap.rows(ref)
     del eager
     b.progress("compile: compiling (warm-up of every bucket)")
     # Construction compiles and warms up every bucket; that one-off cost is
@@ -800,7 +1038,6 @@ def exp_compile(b: Bench):
     comp = b.llm(max_num_seqs=big, compile=True)
     b.progress("compile: compiled")
     c = {B: decode_step_seconds(b, comp, B, context, steps) for B in sizes}
-    same = comp.generate([prompt], check)[0].token_ids == ref
     # Split the gain in two: the same engine with its decoder switched off runs
     # eagerly on the re-laid-out weights, isolating the layout from compilation.
     decoder, comp.decoder = comp.decoder, None
@@ -812,18 +1049,19 @@ def exp_compile(b: Bench):
     fig = {"compile_seconds": comp.compile_seconds, "weight_layout": comp.weight_layout, "batches": sizes,
            "context": context, "weight_bytes": W, "eager_layout_ms_batch1": l1 * 1e3,
            "roofline_ms_batch1": bound * 1e3, "compiled_fraction_of_roofline": bound / c[1],
-           "same_tokens": same, "dtype": str(comp.dtype).replace("torch.", "")}
+           "dtype": str(comp.dtype).replace("torch.", "")}
     for B in sizes:
         fig.update({f"eager_ms_batch{B}": e[B] * 1e3, f"compiled_ms_batch{B}": c[B] * 1e3,
                     f"speedup_batch{B}": e[B] / c[B]})
+    compared, said = _compare_compiled(comp, prompt, ref, ref_rows, check)
+    fig.update(compared)
     rows = [["eager"] + [e[B] * 1e3 for B in sizes],
             [f"eager, {comp.weight_layout} weight layout", l1 * 1e3] + [""] * (len(sizes) - 1),
             ["compiled (+ layout)"] + [c[B] * 1e3 for B in sizes], ["speedup"] + [e[B] / c[B] for B in sizes]]
     text = (table(["decode step"] + [f"batch {B} (ms)" for B in sizes], rows) +
             f"\n\nWeight layout chosen by measurement: {comp.weight_layout}. "
             f"Compiling every bucket took {comp.compile_seconds:.1f} s. Batch 1 roofline "
-            f"{bound * 1e3:.2f} ms: compiled decode runs at {bound / c[1]:.0%} of it. Greedy tokens of the "
-            f"compiled engine equal the eager engine's: {same}.")
+            f"{bound * 1e3:.2f} ms: compiled decode runs at {bound / c[1]:.0%} of it. " + said)
     return fig, text
 
 
@@ -975,7 +1213,9 @@ def _load_run(b: Bench, addr, vocab: int, n: int, rate: float, seed: int, limit_
     """n requests from the workload (seed), arriving as a Poisson process of `rate`
     per second (math.inf: all at once), half of them streaming; one thread per user."""
     prompts, lengths = workload(b, vocab, seed=seed)
-    bodies = [{"prompt": p, "max_tokens": m, "temperature": 0.0, "ignore_eos": True, "stream": i % 2 == 0}
+    # A streaming user asks for the usage chunk (OpenAI's stream_options), which counts its tokens.
+    bodies = [{"prompt": p, "max_tokens": m, "temperature": 0.0, "ignore_eos": True, "stream": i % 2 == 0,
+               **({"stream_options": {"include_usage": True}} if i % 2 == 0 else {})}
               for i, (p, m) in enumerate(zip(prompts[:n], lengths[:n]))]
     # Poisson arrivals: independent exponential gaps of mean 1 / rate, seeded.
     rng = random.Random(seed)
@@ -1000,7 +1240,8 @@ def _load_run(b: Bench, addr, vocab: int, n: int, rate: float, seed: int, limit_
 def _serving_runs(b: Bench, srv, llm, n: int) -> tuple[list, float]:
     """The all-at-once run first (it measures the capacity), then Poisson rates at fractions of it."""
     addr, vocab, limit = srv.server_address[:2], llm.config.vocab_size, b.q(600, 120)
-    _http_request(*addr, {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.0, "stream": True}, limit)  # warm-up
+    _http_request(*addr, {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.0, "stream": True,
+                          "stream_options": {"include_usage": True}}, limit)                           # warm-up
     b.progress("serving: all at once")
     burst = _load_run(b, addr, vocab, n, math.inf, seed=1, limit_s=limit)
     capacity = burst["requests_per_s"]      # what the engine sustains with every user waiting
@@ -1135,7 +1376,10 @@ def _tp_measured(b: Bench):
             torch.set_num_threads(threads)
         tokens = p.pop("tokens")
         ref = tokens if ref is None else ref       # N = 1 comes first: every N must decode its tokens
-        p["same_tokens_as_n1"] = tokens == ref
+        p["shared_tokens_with_n1"] = sum(agreement(t, r) for t, r in zip(tokens, ref))   # each to its 1st divergence
+        p["tokens_compared"] = sum(map(len, ref))
+        if exact(dtype):                           # bf16: split sums round differently, tokens drift
+            p["same_tokens_as_n1"] = tokens == ref
         points.append(p)
     return {"device": str(device), "model": str(path), "dtype": str(dtype).replace("torch.", ""),
             "rank0_threads": rank_threads if device.type == "cpu" else None, "batch": batch,
@@ -1175,7 +1419,8 @@ def exp_tensor_parallel(b: Bench):
              f"{p['allreduce_ms'] / p['step_ms']:.0%}", p["collectives_per_step"],
              # the latency of one collective: on CPU with gloo it, not the bytes, sets the cost
              p["allreduce_ms"] / p["collectives_per_step"] * 1e3 if p["collectives_per_step"] else "",
-             p["weight_bytes_per_rank"] / 1e6, p["same_tokens_as_n1"]] for p in m["points"]]
+             p["weight_bytes_per_rank"] / 1e6,
+             p.get("same_tokens_as_n1", f"{p['shared_tokens_with_n1']}/{p['tokens_compared']}")] for p in m["points"]]
     arows = [[r["model"], r["world_size"], r["weight_bytes_per_rank"] / 1e9, "yes" if r["fits_80GB"] else "no",
               r["kv_bytes_per_token_per_rank"] / 1024, r["kv_tokens_in_rest_of_80GB"], r["allreduce_bytes"] / 1e6,
               r["allreduce_seconds_nvlink"] * 1e6, r["allreduce_seconds_pcie"] * 1e6, r["weight_read_seconds"] * 1e6]
@@ -1186,7 +1431,9 @@ def exp_tensor_parallel(b: Bench):
             "(rank 0 plus N-1 worker processes; gloo on a CPU, NCCL on GPUs). Collectives per step: 2 all-reduces "
             "per layer, the embedding's, and the logits' all-gather.\n\n" +
             table(["N", "step (ms)", "speedup vs N=1", "collectives (ms/step)", "share of step", "collectives/step",
-                   "µs per collective", "weight MB/rank", "same tokens as N=1"], rows) +
+                   "µs per collective", "weight MB/rank",
+                   "same tokens as N=1" if m["dtype"] == "float32" else "tokens shared with N=1 (to 1st divergence)"],
+                  rows) +
             f"\n\nThe arithmetic (parallel.tensor_parallel_cost) for one decode step of {GPU_BATCH} sequences in "
             "bf16: all-reduce payload = 2 x layers x batch x dim x 2 bytes; a ring moves 2 (N-1)/N of it through "
             f"each GPU's link (NVLink {NVLINK_H100_SXM / 1e9:.0f} GB/s, PCIe 5.0 x16 {PCIE_GEN5_X16 / 1e9:.0f} GB/s "
@@ -1197,13 +1444,435 @@ def exp_tensor_parallel(b: Bench):
     return fig, text
 
 
+# ----------------------------------------------------------------------------
+# Pictures: the lecture's plots, drawn from an experiment's results dict alone
+# ----------------------------------------------------------------------------
+# Each plot_<experiment>(r) takes what --json holds for that experiment (its
+# "meta" included) and returns a matplotlib Figure on the Agg canvas (no display,
+# no pyplot state); write_plot saves it. Nothing here runs a model, so a results
+# file from a GPU can be re-plotted anywhere. A new experiment adds its function
+# to PLOTS (kv-compression: KV blocks in use against generated length, full
+# attention against a window, beside bytes per token against the KV-head count).
+
+def _figure(r: dict, lesson: str, ncols: int = 1):
+    """A Figure titled with the lesson, then the device, model and date of the run; its axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6.4 * ncols, 4.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    meta = r.get("meta", {})
+    models = ", ".join(os.path.basename(str(m).rstrip("/")) for m in r.get("models") or [meta.get("model", "?")])
+    dtype = f", {r['dtype']}" if "dtype" in r else ""
+    fig.suptitle(f"{lesson}\n{meta.get('device', '?')} · {models}{dtype} · {str(meta.get('date', '?'))[:10]}",
+                 fontsize=10)
+    return fig, fig.subplots(1, ncols, squeeze=False)[0]
+
+
+def plot_roofline(r: dict):
+    fig, (ax,) = _figure(r, "The roofline: decode sits on the bandwidth slope, prefill under the compute roof")
+    bw, peak = r["bandwidth_GBps"] * 1e9, r["matmul_TFLOPs"] * 1e12
+    pts, pre, balance = r["decode_points"], r["prefill_point"], r["machine_balance_flops_per_byte"]
+    xs = [p["flops_per_byte"] for p in pts] + [pre["flops_per_byte"], balance]
+    lo, hi = min(xs) / 4, max(xs) * 4
+    # Attainable FLOP/s = min(bandwidth x intensity, peak): a slope, then a flat roof at the balance point.
+    ax.plot([lo, balance, hi], [bw * lo, peak, peak], "k-", lw=2, label="roofline (measured copy bandwidth and matmul)")
+    ax.axvline(balance, color="grey", ls=":", lw=1, label=f"machine balance {balance:.3g} FLOP/byte")
+    ax.plot([p["flops_per_byte"] for p in pts], [p["attained_flops_per_s"] for p in pts], "o-", color="C0",
+            label=f"decode step, measured ({r['context']}-token context)")
+    for p in pts:
+        ax.annotate(f"batch {p['batch']}", (p["flops_per_byte"], p["attained_flops_per_s"]),
+                    textcoords="offset points", xytext=(5, -12), fontsize=8)
+    ax.plot([pre["flops_per_byte"]], [pre["attained_flops_per_s"]], "s", color="C3", ms=8,
+            label=f"prefill of {r['prefill_tokens']} tokens, measured")
+    ax.annotate(f"{bw / 1e9:.3g} GB/s", (lo * 2, bw * lo * 2), textcoords="offset points", xytext=(-10, 8),
+                fontsize=8, ha="right")
+    ax.text(hi / 1.3, peak * 1.1, f"{peak / 1e12:.3g} TFLOP/s", ha="right", fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="attainable FLOP/s")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2)   # below: no point hidden
+    return fig
+
+
+def plot_batching(r: dict):
+    fig, (a1, a2) = _figure(r, "Batching: tokens/s grow with the batch while the step time stays flat, "
+                               "until the knee", ncols=2)
+    pts, knee = r["points"], r.get("knee_batch")
+    B = [p["batch"] for p in pts]
+    a1.plot(B, [p["tokens_per_s"] for p in pts], "o-", label="measured")
+    a2.plot(B, [p["step_ms"] for p in pts], "o-", label="decode step, measured")
+    a2.plot(B, [p["bound_ms"] for p in pts], "k--", label="roofline bound")
+    for ax in (a1, a2):
+        if knee is not None:
+            ax.axvline(knee, color="C3", ls=":", label=f"knee: step time doubled at batch {knee}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(B, [str(x) for x in B])
+        ax.set_xlabel(f"batch (sequences decoding, {r['context']}-token context)")
+        ax.legend(fontsize=8)
+    a1.set_ylabel("output tokens/s")
+    a2.set_ylabel("decode step (ms)")
+    if knee is None:
+        a2.set_title(f"no knee up to batch {B[-1]}", fontsize=9)
+    return fig
+
+
+def plot_kv_cache(r: dict):
+    fig, (ax,) = _figure(r, "The KV cache: recomputing the sequence costs more per token the longer it gets")
+    n = [p["tokens"] for p in r["lengths"]]
+    ax.plot(n, [p["naive_ms_per_token"] for p in r["lengths"]], "o-", label="naive: the whole sequence every step")
+    ax.plot(n, [p["cached_ms_per_token"] for p in r["lengths"]], "s-", label="KV cache: one token per step")
+    for p in r["lengths"]:
+        ax.annotate(f"cache {p['speedup']:.3g}x faster", (p["tokens"], p["naive_ms_per_token"]),
+                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set(xlabel=f"output tokens (after a {r['prompt_tokens']}-token prompt)", ylabel="ms per output token")
+    ax.set_ylim(0, 1.15 * max(max(p["naive_ms_per_token"], p["cached_ms_per_token"]) for p in r["lengths"]))
+    ax.margins(x=0.12)                               # room for the labels of the first and last points
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_speculative(r: dict):
+    fig, (ax,) = _figure(r, "Speculative decoding pays when drafts are accepted: measured and predicted speedup")
+    groups = {}
+    for run in r["runs"]:
+        groups.setdefault((run["workload"], run["drafter"]), []).append(run)
+    for i, ((workload, drafter), runs) in enumerate(groups.items()):
+        k = [x["k"] for x in runs]
+        alpha = statistics.mean(x["alpha"] for x in runs)
+        ax.plot(k, [x["speedup"] for x in runs], "o-", color=f"C{i}",
+                label=f"{workload}, {drafter}: measured (mean acceptance {alpha:.2f})")
+        ax.plot(k, [x["predicted_speedup"] for x in runs], "--", color=f"C{i}",
+                label=f"{workload}, {drafter}: predicted from acceptance and verify cost")
+    ax.axhline(1.0, color="grey", lw=1, label="plain decoding")
+    ax.set(xlabel="draft tokens per verify pass (k)", ylabel="speedup over plain decoding (x)")
+    ax.set_xticks(sorted({x["k"] for x in r["runs"]}))
+    ax.legend(fontsize=7)
+    return fig
+
+
+def plot_serving(r: dict):
+    fig, (ax,) = _figure(r, "Serving: time to first token turns up as arrivals reach capacity (the knee)")
+    poisson = [x for x in r["runs"] if x["rate_per_s"] is not None]
+    burst = [x for x in r["runs"] if x["rate_per_s"] is None]
+    # "All at once" has no rate: drawn to the right of the highest one, and labelled.
+    far = 1.3 * max([x["rate_per_s"] for x in poisson] + [r["capacity_requests_per_s"]])
+    runs, xs = poisson + burst, [x["rate_per_s"] for x in poisson] + [far] * len(burst)
+    ax.plot(xs, [x["ttft_p50_s"] for x in runs], "o-", label="TTFT p50")
+    ax.plot(xs, [x["ttft_p99_s"] for x in runs], "s-", label="TTFT p99")
+    ax.set(xlabel="arrival rate (requests/s, Poisson)", ylabel="time to first token (s)")
+    ax.set_xticks(xs, [f"{x:.3g}" for x in xs[:len(poisson)]] + ["all at once"] * len(burst))
+    ax.axvline(r["capacity_requests_per_s"], color="grey", ls=":", label="capacity (all at once)")
+    if r.get("knee_rate_per_s") is not None or r.get("knee_all_at_once"):
+        knee = far if r.get("knee_all_at_once") else r["knee_rate_per_s"]
+        ax.axvline(knee, color="C3", ls="--", label=f"knee: p99 TTFT > {r['knee_factor']:g}x the lowest rate's")
+    tw = ax.twinx()
+    tw.plot(xs, [x["output_tokens_per_s"] for x in runs], "^:", color="C2", label="throughput")
+    tw.set_ylabel("output tokens/s")
+    ax.legend(*[a + b for a, b in zip(ax.get_legend_handles_labels(), tw.get_legend_handles_labels())],
+              fontsize=8, loc="upper left")
+    return fig
+
+
+def plot_quantization(r: dict):
+    fig, (ax,) = _figure(r, "Quantization: fewer weight bytes per step, more tokens/s, at a perplexity cost")
+    cfgs = r["configs"]
+    key = next(k for k in cfgs[0] if k.startswith("tokens_per_s_batch") and k != "tokens_per_s_batch1")
+    big = key.removeprefix("tokens_per_s_batch")
+    for i, c in enumerate(cfgs):        # one colour per configuration, its perplexity in the legend
+        x = c["weight_bytes"] / 1e6
+        ax.plot([x, x], [c["tokens_per_s_batch1"], c[key]], "-", color=f"C{i}", alpha=0.4)
+        ax.plot([x], [c["tokens_per_s_batch1"]], "o", ms=8, color=f"C{i}",
+                label=f"{c['name']} ({c['dtype']}): perplexity {c['perplexity']:.4g}")
+        ax.plot([x], [c[key]], "s", ms=8, color=f"C{i}")
+    ax.plot([], [], "ko", label="circles: batch 1")
+    ax.plot([], [], "ks", label=f"squares: batch {big}")
+    ax.set(xlabel="weight bytes read per decode step (MB)", ylabel="decode tokens/s")
+    ax.set_xlim(0, max(c["weight_bytes"] for c in cfgs) / 1e6 * 1.1)
+    ax.set_ylim(0, max(max(c["tokens_per_s_batch1"], c[key]) for c in cfgs) * 1.15)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2)
+    return fig
+
+
+PLOTS = {"roofline": plot_roofline, "batching": plot_batching, "kv-cache": plot_kv_cache,
+         "speculative": plot_speculative, "serving": plot_serving, "quantization": plot_quantization}
+
+
+def plots_dir(args) -> str | None:
+    """Where the pictures go: --plots, else beside --json (results/x.json -> results/x/), else ./bench-plots."""
+    if args.no_plots:
+        return None
+    if args.plots:
+        return args.plots
+    return os.path.splitext(args.json)[0] if args.json else "bench-plots"
+
+
+def write_plot(name: str, r: dict, folder: str) -> str | None:
+    """Draw experiment `name`'s picture from its results into folder/name.png; its path (None: no picture)."""
+    if name not in PLOTS or "error" in r or "skipped" in r:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.png")
+    PLOTS[name](r).savefig(path, dpi=110)
+    return path
+
+
+# ----------------------------------------------------------------------------
+# --check: a verdict per GPU path, the first thing to run on a GPU
+# ----------------------------------------------------------------------------
+# The GPU code of this project is developed without a GPU (tests/ prove it on CPU,
+# with a CUDA-graph capture simulator). `python bench.py --check` is where a GPU
+# user finds out, in <= 3 minutes, whether each GPU path does what the CPU
+# evidence says: paste its table into a bug report. `--check --device cpu` is
+# its dry run (CI): the same table, the paths that need CUDA "skipped: CPU".
+
+PASS, FAIL = "pass", "FAIL"
+
+
+def _check_prompts(llm) -> list:
+    """Four prompts of different lengths (one block, a few, a partial one): a batch of 4."""
+    ids = llm.tokenizer.encode(eval_text())
+    return [ids[:7], ids[40:80], ids[100:113], ids[200:300]]
+
+
+FLOAT32_REL_TOL = 1e-3   # float32 paths differ by reassociation (~1e-5 of the largest logit); a bug by O(1)
+
+
+def _same_greedy(ref, ref_tap: LogitTap, outs, tap: LogitTap) -> tuple[str, str]:
+    """Verdict on a float32 path that must give the reference's greedy tokens and logits.
+    Logits on the same tokens may differ by float32 rounding only (FLOAT32_REL_TOL of the
+    row's largest); tokens may part only on a near tie: where they do, the reference's two
+    best logits are closer than twice the paths' difference there (either order is right)."""
+    errors = [o.error for o in list(ref) + list(outs) if o.error]
+    if errors:
+        return FAIL, f"a request failed: {errors[0]}"
+    gap, parted, tie = 0.0, None, None
+    for i, (r, o) in enumerate(zip(ref, outs)):
+        n = agreement(o.token_ids, r.token_ids)
+        a, c, first = ref_tap.rows(r), tap.rows(o), len(r.prompt_token_ids) - 1   # row `first` predicts token 0
+        diffs = {p: ((a[p] - c[p]).abs().max() / a[p].abs().max()).item() for p in a.keys() & c.keys()
+                 if p <= first + n}                                  # the rows with the same context
+        gap = max([gap] + list(diffs.values()))
+        if parted is None and not n == len(r.token_ids) == len(o.token_ids):
+            top2, d = a[first + n].topk(2).values if first + n in a else None, diffs.get(first + n)
+            margin = None if top2 is None else ((top2[0] - top2[1]) / a[first + n].abs().max()).item()
+            if margin is not None and d is not None and margin <= 2 * d:
+                tie = f"; prompt {i} parts at token {n} on a near tie (margin {margin:.2g} of the largest logit)"
+            else:
+                parted = f"prompt {i}: the tokens part after {n} of {len(r.token_ids)} (no near tie there)"
+    n_tok = sum(len(r.token_ids) for r in ref)
+    said = f"{len(ref)} prompts, {n_tok} greedy tokens; largest logit difference {gap:.2g} of the row's largest"
+    if parted or gap > FLOAT32_REL_TOL:
+        return FAIL, "; ".join(x for x in (parted, said) if x) + f" (float32 rounding: < {FLOAT32_REL_TOL:g})"
+    return PASS, said + (tie or "; tokens equal")
+
+
+def check_compiled(b: Bench):
+    if b.device.type != "cuda":
+        return "skipped: CPU", "CUDA graphs need a GPU (tests/test_kernels.py runs the compiled step on CPU)"
+    kw = dict(path=b.quality_path, dtype="float32", max_num_seqs=4, kv_cache_bytes=b.pool_bytes(b.quality_path, 2048))
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    eager = b.llm(**kw)
+    prompts = _check_prompts(eager)
+    with LogitTap(eager) as ref_tap:
+        ref = eager.generate(prompts, params)
+    del eager
+    comp = b.llm(compile=True, **kw)
+    with LogitTap(comp) as tap:
+        outs = comp.generate(prompts, params)
+    graphs, steps = len(getattr(comp.decoder, "graphs", {})), comp.decoder.steps.get(1, 0)
+    verdict, detail = _same_greedy(ref, ref_tap, outs, tap)
+    if not graphs or not steps:
+        return FAIL, f"{graphs} CUDA graphs recorded, {steps} compiled decode steps run; {detail}"
+    return verdict, f"{graphs} CUDA graphs recorded in {comp.compile_seconds:.0f} s, {steps} replayed steps; {detail}"
+
+
+def check_int8_fused(b: Bench):
+    """Every distinct int8 layer shape: torch.compile's fused int8 product (Int8Linear._fused,
+    <= FUSED_ROWS rows) against the same layer run eagerly (convert, then F.linear)."""
+    model = quantize_model(load_model(b.quality_path, device=b.device, dtype=torch.float32)[0])
+    layers = {}
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            layers.setdefault((m.in_features, m.out_features), m)
+    # On a CPU, bf16 activations take another kernel (_weight_int8pack_mm), and each compile
+    # costs seconds: the dry run compiles the smallest and the largest layer in float32 only.
+    cuda = b.device.type == "cuda"
+    shapes = sorted(layers, key=lambda s: s[0] * s[1])
+    shapes = shapes if cuda else [shapes[0], shapes[-1]]
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    worst, gen = {}, torch.Generator().manual_seed(0)
+    for dtype in [torch.float32] + ([torch.bfloat16] if cuda else []):
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7      # reassociated sums: a few ulps of the output
+        for shape in shapes:
+            layer, fused = layers[shape], torch.compile(layers[shape], fullgraph=True)
+            for rows in (FUSED_ROWS, 1):          # symbolic rows, size 1 included: one compile per layer and dtype
+                x = dynamic(torch.randn(rows, shape[0], generator=gen).to(b.device, dtype), 0)
+                with torch.inference_mode(), size_oblivious():
+                    want, got = layer(x).float(), fused(x).float()
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                worst[(str(dtype), shape)] = max(err, worst.get((str(dtype), shape), 0.0))
+                if not err <= tol:
+                    return FAIL, (f"{dtype}, layer {shape[0]}->{shape[1]}, {rows} rows: fused differs by "
+                                  f"{err:.3g} (> {tol:g})")
+    dtypes = ", ".join(sorted({k[0].replace("torch.", "") for k in worst}))
+    return PASS, (f"{len(shapes)} layer shapes x rows 1 and {FUSED_ROWS}, {dtypes}: largest difference "
+                  f"{max(worst.values()):.2g} of the output's largest value")
+
+
+def check_int8_kv(b: Bench):
+    """Real K, V (a prefill of the evaluation text through the float cache) written into an int8
+    cache and read back: every value within half a quantization step of its (token, head), plus
+    the dtype's own rounding of the dequantized value."""
+    llm = b.llm(path=b.quality_path, max_num_seqs=1, enable_prefix_caching=False,
+                kv_cache_bytes=b.pool_bytes(b.quality_path, 1024))
+    ids = llm.tokenizer.encode(eval_text())[:min(b.q(512, 128), llm.max_len - 1)]
+    out = llm.generate([ids], SamplingParams(max_tokens=1))[0]
+    if out.error:
+        return FAIL, f"the prefill failed: {out.error}"
+    cache, dtype = llm.cache, llm.dtype
+    q8 = Int8KVCache(llm.config, cache.num_blocks, cache.block_size, b.device, dtype)
+    slots, blocks = torch.arange(cache.num_blocks * cache.block_size, device=b.device), \
+        torch.arange(cache.num_blocks, device=b.device)
+    worst, eps = 0.0, torch.finfo(dtype).eps
+    for layer in range(llm.config.n_layers):
+        x = cache.k[layer].flatten(0, 1), cache.v[layer].flatten(0, 1)           # [slots, n_kv, d]
+        q8.write(layer, slots, *x)
+        for orig, back in zip(x, q8.blocks(layer, blocks)):
+            orig, back = orig.float(), back.flatten(0, 1).float()
+            half_step = orig.abs().amax(-1, keepdim=True) / 127 / 2             # scale / 2 per (token, head)
+            bound = half_step * (1 + 1e-4) + 2 * eps * (orig.abs() + half_step)
+            worst = max(worst, ((back - orig).abs() / bound.clamp_min(1e-30)).max().item())
+    filled = int((cache.k[0].flatten(0, 1).abs().amax((-1, -2)) > 0).sum())
+    verdict = PASS if worst <= 1.0 else FAIL
+    return verdict, (f"{filled} tokens x {llm.config.n_layers} layers x {llm.config.n_kv_heads} KV heads, K and V: "
+                     f"the largest error is {worst:.4f} x the bound (half a step + {str(dtype)[6:]} rounding)")
+
+
+def check_tensor_parallel_nccl(b: Bench):
+    if b.device.type != "cuda":
+        return "skipped: CPU", "NCCL needs GPUs (tests/test_parallel.py runs N = 2 and 3 with gloo on CPU)"
+    if torch.cuda.device_count() < 2:
+        return "skipped: needs 2 GPUs", f"{torch.cuda.device_count()} GPU visible"
+    path = b.quality_path
+    try:
+        check_tensor_parallel(model_config(path)[0], 2, "cuda")
+    except ValueError:                 # e.g. SmolLM2's 9 heads: a published shape that splits in two
+        path = RANDOM_PREFIX + "llama-3.2-1b"
+    kw = dict(path=path, dtype="float32", max_num_seqs=4, kv_cache_bytes=b.pool_bytes(path, 2048))
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    one = b.llm(**kw)
+    prompts = _check_prompts(one)
+    with LogitTap(one) as ref_tap:
+        ref = one.generate(prompts, params)
+    del one
+    two = b.llm(tensor_parallel_size=2, **kw)
+    try:
+        with LogitTap(two) as tap:
+            outs = two.generate(prompts, params)
+    finally:
+        two.close()
+    verdict, detail = _same_greedy(ref, ref_tap, outs, tap)
+    return verdict, f"{os.path.basename(path)}, N = 2 over NCCL against N = 1: {detail}"
+
+
+def check_graph_memory(b: Bench):
+    """The compiled engine with the pool it sizes itself (kv_cache_bytes=None, what a user
+    gets), then its largest bucket: every seat decoding at the longest context, after a full
+    prefill chunk at that context. Nothing may run out of memory, and the replays may not
+    reserve memory beyond what the engine held once built and warmed up."""
+    if b.device.type != "cuda":
+        return "skipped: CPU", "CUDA graphs and their memory pool exist on a GPU only"
+    llm = b.llm(path=b.quality_path, dtype="float32", max_num_seqs=8, compile=True, kv_cache_bytes=None)
+    dev, gib = b.device, 2 ** 30
+    total, built = torch.cuda.get_device_properties(dev).total_memory, torch.cuda.memory_reserved(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    B, steps = llm.scheduler.max_num_seqs, 4
+    context = min(llm.max_len - steps - 70, llm.block_manager.num_blocks * llm.block_manager.block_size // B - 80)
+    ids = start_decoding(llm, B, context, steps)      # prefill chunks at up to `context` keys, untimed
+    prefilled, before = torch.cuda.max_memory_reserved(dev), torch.cuda.memory_reserved(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    replays = llm.decoder.steps.get(1, 0)
+    for _ in range(steps):
+        llm.step()                                    # pure decodes of B sequences: the widest bucket
+    torch.cuda.synchronize(dev)
+    decoding, replays = torch.cuda.max_memory_reserved(dev), llm.decoder.steps.get(1, 0) - replays
+    for rid in ids:
+        llm.abort(rid)
+    detail = (f"{len(llm.decoder.graphs)} graphs; {B} sequences x {context} tokens; reserved {built / gib:.1f} GiB "
+              f"once built, {prefilled / gib:.1f} GiB at peak while prefilling, {decoding / gib:.1f} GiB while "
+              f"decoding, of {total / gib:.1f} GiB")
+    budget = getattr(llm, "memory_budget", None)      # what the engine planned, where it says so
+    if budget is not None:
+        detail += f"; the engine's budget: {budget}"
+    if not replays:
+        return FAIL, "no compiled decode step ran; " + detail
+    grew = decoding - before
+    detail += f"; decoding grew the reservation by {grew / 2**20:.0f} MiB"
+    return (PASS if grew <= 64 * 2 ** 20 else FAIL), detail
+
+
+def check_sdpa(b: Bench):
+    """The eager engine's attention (prefill chunks, mixed steps, decodes) with SDPA's math backend
+    disabled: a call that would fall back to it raises (kernels.STRICT_SDPA, and sdpa_kernel here)."""
+    if b.device.type != "cuda":
+        return "skipped: CPU", "SDPA's fused backends (flash, memory-efficient, cuDNN) are CUDA kernels"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    fused = [getattr(SDPBackend, n) for n in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+             if hasattr(SDPBackend, n)]
+    # max_num_batched_tokens 64: prompts are prefilled in chunks next to other sequences' decodes
+    llm = b.llm(path=b.quality_path, max_num_seqs=4, max_num_batched_tokens=64,
+                kv_cache_bytes=b.pool_bytes(b.quality_path, 2048))
+    strict = getattr(kernels, "STRICT_SDPA", None)
+    try:
+        if strict is not None:
+            kernels.STRICT_SDPA = True
+        with sdpa_kernel(fused):
+            outs = llm.generate(_check_prompts(llm), SamplingParams(max_tokens=8, ignore_eos=True))
+    finally:
+        if strict is not None:
+            kernels.STRICT_SDPA = strict
+    note = "" if strict is not None else " (kernels.STRICT_SDPA absent: sdpa_kernel alone)"
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        return FAIL, f"{llm.dtype}: {errors[0]}{note}"
+    return PASS, f"{llm.dtype}: chunked prefills, mixed steps and decodes ran on {len(fused)} fused backends only{note}"
+
+
+CHECKS = {"compiled + CUDA graphs = eager (float32, real model)": check_compiled,
+          "int8 fused = unfused": check_int8_fused,
+          "int8 KV cache within its bound": check_int8_kv,
+          "tensor parallel (NCCL) N = 2 = N = 1": check_tensor_parallel_nccl,
+          "CUDA-graph memory fits as budgeted": check_graph_memory,
+          "SDPA reaches a fused backend": check_sdpa}
+
+
+def run_checks(b: Bench) -> tuple[dict, str]:
+    """Every check in isolation (one that raises is a FAIL with its error): (results, table)."""
+    results = {}
+    for i, (name, fn) in enumerate(CHECKS.items(), 1):
+        print(f"bench: check [{i}/{len(CHECKS)}] {name} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            verdict, detail = fn(b)
+        except Exception as e:                       # noqa: BLE001 (a verdict, whatever went wrong)
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            verdict, detail = FAIL, f"{type(e).__name__}: {e} (at {os.path.basename(where.filename)}:{where.lineno})"
+        gc.collect()
+        if b.device.type == "cuda":  # pragma: no cover (CUDA)
+            torch.cuda.empty_cache()
+        results[name] = {"verdict": verdict, "detail": detail, "seconds": time.perf_counter() - t0}
+    rows = [[name, r["verdict"], f"{r['seconds']:.0f}", r["detail"]] for name, r in results.items()]
+    count = {v: sum(r["verdict"].startswith(v) for r in results.values()) for v in (PASS, FAIL, "skipped")}
+    return results, (table(["path", "verdict", "seconds", "detail"], rows) +
+                     f"\n\n{count[PASS]} pass, {count[FAIL]} FAIL, {count['skipped']} skipped. Paste this table, with "
+                     "the lines above it, into any report about nanoinfer on this machine.")
+
+
 EXPERIMENTS = {"overhead": exp_overhead, "roofline": exp_roofline, "kv-cache": exp_kv_cache, "batching": exp_batching,
                "continuous-vs-static": exp_continuous_vs_static, "prefix": exp_prefix,
                "speculative": exp_speculative, "quantization": exp_quantization, "compile": exp_compile,
                "peer": exp_peer, "serving": exp_serving, "tensor-parallel": exp_tensor_parallel}
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--model", default=None, help="checkpoint directory or random:<preset> for every experiment "
                     "(default: the embedded SmolLM2-135M-Instruct; on a GPU, timing on the largest preset that fits)")
@@ -1213,7 +1882,56 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a smoke run of every experiment")
     ap.add_argument("--json", default=None, help="write every figure to this file (merged into it if it exists)")
     ap.add_argument("--draft", default=None, help="a draft model directory for the speculative experiment")
-    args = ap.parse_args(argv)
+    ap.add_argument("--plots", default=None, help="folder for the pictures (default: beside --json, results/x.json "
+                    "-> results/x/; without --json ./bench-plots)")
+    ap.add_argument("--no-plots", action="store_true", help="write no pictures")
+    ap.add_argument("--check", action="store_true", help="a verdict per GPU path (<= 3 min on one GPU): run it "
+                    "first on a GPU and report its output; --device cpu is its dry run")
+    ap.add_argument("--strict-sdpa", action="store_true", help="an SDPA call that would fall back to the slow math "
+                    "backend raises instead (kernels.STRICT_SDPA)")
+    return ap, ap.parse_args(argv)
+
+
+@contextlib.contextmanager
+def strict_sdpa(b: Bench):
+    """--strict-sdpa: kernels.STRICT_SDPA on for the run; where kernels.py lacks it, the run inside
+    sdpa_kernel on CUDA (the math backend off: a fallback raises)."""
+    old = getattr(kernels, "STRICT_SDPA", None)
+    if old is not None:
+        kernels.STRICT_SDPA = True
+        try:
+            yield
+        finally:
+            kernels.STRICT_SDPA = old
+        return
+    print("bench: kernels.STRICT_SDPA does not exist: the run is wrapped in sdpa_kernel instead", file=sys.stderr)
+    if b.device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # pragma: no cover (CUDA)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):  # pragma: no cover (CUDA)
+        yield
+
+
+def run_experiment(b: Bench, name: str) -> tuple[dict, str]:
+    """One experiment in isolation: one that raises reports its error (in its table and its JSON
+    entry) and frees what it held, and the next experiment runs."""
+    try:
+        return EXPERIMENTS[name](b)
+    except Exception as e:                           # noqa: BLE001 (KeyboardInterrupt still stops the run)
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr)
+        return ({"error": f"{type(e).__name__}: {e}", "traceback": tb},
+                f"**Failed**: {type(e).__name__}: {e} (the traceback is in the JSON and on stderr).")
+    finally:
+        b.done()
+        gc.collect()                                 # the failed experiment's engines hold memory
+        if b.device.type == "cuda":  # pragma: no cover (CUDA)
+            torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap, args = parse_args(argv)
     names = list(EXPERIMENTS) if not args.only else [n.strip() for n in args.only.split(",")]
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
@@ -1235,25 +1953,57 @@ def main(argv=None):
           f"Timing model {b.path} ({weights_label(b.path)}; {b.scale}); "
           f"quality model {os.path.basename(b.quality_path)} ({weights_label(b.quality_path)}).")
     results["meta"] = meta                 # the latest run
+    with strict_sdpa(b) if args.strict_sdpa else contextlib.nullcontext():
+        if args.check:
+            checks, text = run_checks(b)
+            results["check"] = {"checks": checks, "meta": meta}
+            print(f"\n## check\n\n{text}\n", flush=True)
+            save_results(args.json, results)
+        else:
+            run_all(b, names, results, meta, plots_dir(args))
+    return results
+
+
+def run_all(b: Bench, names: list, results: dict, meta: dict, folder: str | None):
+    """The experiments one after another (they never share the machine), each saved and drawn when done."""
     start = time.perf_counter()
-    for i, name in enumerate(names, 1):    # one after another: experiments never share a machine with each other
+    for i, name in enumerate(names, 1):
         print(f"bench: [{i}/{len(names)}] {name} ... (elapsed {time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
         t0, b.used = time.perf_counter(), {}
-        fig, text = EXPERIMENTS[name](b)
-        b.done()
+        fig, text = run_experiment(b, name)
         fig["wall_seconds"] = time.perf_counter() - t0
         fig["models"], fig["meta"] = dict(b.used), meta     # which weights every figure came from
+        if folder:
+            try:
+                fig["plot"] = write_plot(name, fig, folder)
+            except Exception as e:                   # noqa: BLE001 (a picture never costs the figures)
+                fig["plot_error"] = f"{type(e).__name__}: {e}"
         results[name] = fig
         models = "; ".join(f"{p} ({label})" for p, label in b.used.items())
-        print(f"\n## {name}\n\n" + (f"Model: {models}.\n\n" if models else "") + f"{text}\n", flush=True)
-        print(f"bench: [{i}/{len(names)}] {name} done in {fig['wall_seconds']:.0f} s", file=sys.stderr, flush=True)
-        if args.json:                      # after every experiment: a cut-short run keeps what it measured
-            tmp = args.json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(results, f, indent=1)
-            os.replace(tmp, args.json)     # atomic: a crash mid-write never leaves half a file
-    return results
+        picture = f"\n\nPicture: {fig['plot']}" if fig.get("plot") else ""
+        print(f"\n## {name}\n\n" + (f"Model: {models}.\n\n" if models else "") + f"{text}{picture}\n", flush=True)
+        print(f"bench: [{i}/{len(names)}] {name} {'FAILED' if 'error' in fig else 'done'} in "
+              f"{fig['wall_seconds']:.0f} s", file=sys.stderr, flush=True)
+        save_results(b.args.json, results)           # after every experiment: a cut-short run keeps what it measured
+    failed = [n for n in names if "error" in results[n]]
+    if failed:
+        print(f"bench: {len(failed)} experiment(s) failed: {', '.join(failed)}", file=sys.stderr, flush=True)
+
+
+def save_results(path: str | None, results: dict):
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(tmp, path)              # atomic: a crash mid-write never leaves half a file
+
+
+def failed(results: dict) -> bool:
+    """Whether an experiment or a check of THIS run (not one merged from the file) failed: the exit status."""
+    mine = [r for k, r in results.items() if k != "meta" and isinstance(r, dict) and r.get("meta") is results["meta"]]
+    return any("error" in r for r in mine) or any(c["verdict"] == FAIL for r in mine
+                                                  for c in r.get("checks", {}).values())
 
 
 def load_results(path: str) -> dict:
@@ -1275,4 +2025,4 @@ def load_results(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if failed(main()) else 0)

@@ -8,6 +8,13 @@ count equals the workload's, each exactness check holds (same tokens with
 and without the KV cache, speculation, compilation, tensor parallelism),
 every served request completes and the pool is free afterwards, and --json
 merges into a results file but never overwrites anything else.
+
+Around the experiments: each picture is drawn from a results dict alone and
+carries its measured values; bandwidth is timed over batches of copies; bf16
+paths are compared by the tokens they share and their logit gap to float32
+(not by an always-False "same tokens"); an experiment that raises reports
+its error and the next one runs; and `--check --device cpu`, the dry run of
+the GPU self-check, passes.
 """
 import argparse
 import json
@@ -21,6 +28,7 @@ import torch
 from conftest import save_checkpoint, tiny_model
 
 import bench
+import kernels
 from bench import eval_text, perplexity
 from model import default_model_path
 from tokenizer import Tokenizer
@@ -48,7 +56,8 @@ def run(tmp_path_factory):
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
     with open(out) as f:
-        return types.SimpleNamespace(results=json.load(f), path=str(path), json=out, model=model, cfg=model.config)
+        return types.SimpleNamespace(results=json.load(f), path=str(path), json=out, model=model, cfg=model.config,
+                                     plots=d / "results")
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +146,17 @@ def test_roofline(run, results):
         assert p["flops_per_byte"] == pytest.approx(flops_per_token(c, ctx) * B / (W + kv * ctx * B))
         assert p["bound_by"] == ("memory" if p["flops_per_byte"] <= flops / bw else "compute")
     assert [p["batch"] for p in r["intensity"]] == [1, 4, 16, 64, 256]
+    # the measured decode points (the picture's): the step's FLOPs over its bytes, and the FLOP/s it attained
+    assert [p["batch"] for p in r["decode_points"]] == [1, 4]
+    assert r["decode_measured_ms"] == r["decode_points"][0]["step_ms"]
+    for p in r["decode_points"]:
+        B = p["batch"]
+        assert p["flops_per_byte"] == pytest.approx(flops_per_token(c, ctx) * B / (W + kv * ctx * B))
+        assert p["attained_flops_per_s"] == pytest.approx(flops_per_token(c, ctx) * B / (p["step_ms"] / 1e3))
+    pre = r["prefill_point"]
+    assert pre["flops_per_byte"] == pytest.approx(flops_per_token(c, ctx) * ctx / (W + kv * ctx))
+    prefill_s = r["prefill_measured_ms"] / 1e3
+    assert pre["attained_flops_per_s"] == pytest.approx(flops_per_token(c, ctx) * ctx / prefill_s)
 
 
 def test_kv_cache(results):
@@ -145,6 +165,8 @@ def test_kv_cache(results):
     for p in r["lengths"]:
         assert p["naive_tokens"] == p["cached_tokens"] == p["tokens"]
         assert p["same_tokens"], "the KV cache changed the greedy tokens"
+        assert p["shared_tokens"] == p["tokens"]
+    assert "max_logit_diff_vs_float32" not in r, "float32 paths are compared by exact equality"
 
 
 def test_batching(run, results):
@@ -369,3 +391,339 @@ def test_timer_warms_up_untimed_and_takes_the_median(monkeypatch):
     assert last == 5 and len(calls) == 5, "2 warm-up calls and 3 timed ones; the last call's result"
     assert syncs == [2, 3, 4, 5], "synchronized once after the warm-up and after every timed call"
 
+
+
+# -- bandwidth: a batch of copies per timed sample ------------------------------------------------------
+
+class StubEvent:
+    """torch.cuda.Event's interface, recording what the timer does with it (no GPU here)."""
+    log = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing, "events that time must be created with enable_timing=True"
+        self.t = None
+
+    def record(self):
+        self.t = len(StubEvent.log)
+        StubEvent.log.append("record")
+
+    def synchronize(self):
+        StubEvent.log.append("sync")
+
+    def elapsed_time(self, end):            # ms: 1 ms per logged action between the two events
+        assert "sync" in StubEvent.log, "elapsed_time read before the host waited for the events"
+        return float(end.t - self.t)
+
+
+def test_bandwidth_times_batches_of_copies_with_one_wait(monkeypatch):
+    """On CUDA: events around each batch of `calls` copies, ONE host synchronization at the end
+    (a sync per ~0.2 ms copy made the bandwidth read 5-10% low); on a CPU: the clock brackets
+    a batch of copies, never one."""
+    StubEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", StubEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("a device-wide sync per sample"))
+    t = bench.batch_seconds(lambda: StubEvent.log.append("copy"), torch.device("cuda"), calls=10, samples=3)
+    log = StubEvent.log
+    assert log.count("copy") == 1 + 30, "a warm-up, then 3 samples of 10 copies"
+    assert log.count("sync") == 1 and log[-1] == "sync", "the host waits once, after every sample was queued"
+    assert log[1:] == (["record"] + ["copy"] * 10 + ["record"]) * 3 + ["sync"]
+    assert t == pytest.approx(11 / 1e3 / 10), "events 11 actions apart over 10 copies: 1.1 ms per copy"
+    # CPU: a fake clock that advances 1 s per copy; samples of 4 copies each
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    copies = []
+    t = bench.batch_seconds(lambda: (copies.append(1), now.__setitem__(0, now[0] + 1.0)), torch.device("cpu"),
+                            calls=4, samples=3)
+    assert len(copies) == 1 + 12 and t == 1.0
+
+
+def test_bench_bandwidth_uses_batches(monkeypatch):
+    seen = []
+
+    def fake(fn, device, calls, samples):
+        seen.append((calls, samples))
+        return 1e-3
+    monkeypatch.setattr(bench, "batch_seconds", fake)
+    b = bench.Bench(argparse.Namespace(model="random:smollm2-tiny", device="cpu", dtype="auto", quick=True))
+    n = 32 * 2**20 // 4
+    assert b.bandwidth() == pytest.approx(2 * n * 4 / 1e-3), "bytes read + written over the time of one copy"
+    assert seen[0][0] > 1 and seen[0][1] >= 3, "several copies per sample, several samples"
+
+
+# -- pictures: drawn from a results dict, carrying the measured values ----------------------------------
+
+META = {"device": "Test GPU", "date": "2026-01-02T03:04:05", "model": "m"}
+
+
+def synthetic_results():
+    """One results dict per plotted experiment, shaped as --json holds them, with made-up values."""
+    roofline = {"bandwidth_GBps": 100.0, "matmul_TFLOPs": 2.0, "machine_balance_flops_per_byte": 20.0, "context": 32,
+                "prefill_tokens": 32, "prefill_point": {"flops_per_byte": 30.0, "attained_flops_per_s": 1.5e12},
+                "decode_points": [{"batch": 1, "flops_per_byte": 0.9, "attained_flops_per_s": 5e10},
+                                  {"batch": 4, "flops_per_byte": 3.1, "attained_flops_per_s": 2e11}]}
+    batching = {"context": 16, "knee_batch": 4, "points": [
+        {"batch": 1, "step_ms": 2.0, "tokens_per_s": 500.0, "bound_ms": 1.0},
+        {"batch": 2, "step_ms": 2.5, "tokens_per_s": 800.0, "bound_ms": 1.1},
+        {"batch": 4, "step_ms": 4.5, "tokens_per_s": 889.0, "bound_ms": 1.2}]}
+    kv = {"prompt_tokens": 32, "lengths": [{"tokens": 8, "naive_ms_per_token": 3.0, "cached_ms_per_token": 1.0,
+                                            "speedup": 3.0},
+                                           {"tokens": 16, "naive_ms_per_token": 5.0, "cached_ms_per_token": 1.1,
+                                            "speedup": 4.5}]}
+    spec = {"runs": [{"workload": w, "drafter": "ngram", "k": k, "alpha": a, "speedup": s, "predicted_speedup": p}
+                     for w, a, ks in (("copy-heavy", 0.9, ((1, 1.5, 1.6), (4, 3.0, 3.2))),
+                                      ("open-ended", 0.1, ((1, 0.9, 0.95), (4, 0.8, 0.85))))
+                     for k, s, p in ks]}
+    runs = [{"rate_per_s": 1.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "output_tokens_per_s": 10.0},
+            {"rate_per_s": 2.0, "ttft_p50_s": 0.3, "ttft_p99_s": 0.9, "output_tokens_per_s": 18.0},
+            {"rate_per_s": None, "ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "output_tokens_per_s": 25.0}]
+    serving = {"capacity_requests_per_s": 2.0, "knee_factor": 2.0, "knee_rate_per_s": 2.0, "knee_all_at_once": False,
+               "runs": runs}
+    quant = {"configs": [{"name": n, "dtype": d, "weight_bytes": w, "tokens_per_s_batch1": t1,
+                          "tokens_per_s_batch4": t4, "perplexity": ppl} for n, d, w, t1, t4, ppl in
+                         (("float", "float32", 12e6, 400.0, 1000.0, 20.5),
+                          ("int8 weights", "bfloat16", 3e6, 800.0, 2500.0, 20.9))]}
+    out = {"roofline": roofline, "batching": batching, "kv-cache": kv, "speculative": spec, "serving": serving,
+           "quantization": quant}
+    for r in out.values():
+        r.update(meta=META, models={"random:smollm2-tiny": "random weights, made-up shapes"})
+    return out
+
+
+def lines(fig):
+    """{label: (xdata, ydata)} of every labelled line of every axes."""
+    return {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ax in fig.axes for ln in ax.get_lines()}
+
+
+def line(fig, start):
+    found = [v for k, v in lines(fig).items() if k.startswith(start)]
+    assert len(found) == 1, f"no single line labelled {start!r}: {list(lines(fig))}"
+    return found[0]
+
+
+def test_every_plot_is_titled_and_written_from_a_results_dict(tmp_path):
+    rs = synthetic_results()
+    assert set(bench.PLOTS) == set(rs)
+    for name, r in rs.items():
+        fig = bench.PLOTS[name](r)
+        title = fig.get_suptitle()
+        assert "Test GPU" in title and "smollm2-tiny" in title and "2026-01-02" in title, title
+        for ax in fig.axes:       # (a twin axes shares the x axis of the one it twins)
+            assert ax.get_ylabel() and (ax.get_xlabel() or not ax.xaxis.get_visible()), f"{name}: unlabelled axes"
+        path = bench.write_plot(name, r, str(tmp_path / "p"))
+        assert path == str(tmp_path / "p" / f"{name}.png")
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", f"{name}: not a PNG"
+    # an experiment that failed, or one without a picture, draws nothing
+    assert bench.write_plot("roofline", {"error": "x", "meta": META}, str(tmp_path)) is None
+    assert bench.write_plot("prefix", rs["kv-cache"], str(tmp_path)) is None
+
+
+def test_roofline_plot_carries_the_roofs_and_the_measured_points():
+    r = synthetic_results()["roofline"]
+    fig = bench.plot_roofline(r)
+    x, y = line(fig, "roofline")
+    assert y[1:] == [2e12, 2e12] and x[1] == 20.0, "a flat compute roof from the balance point on"
+    assert y[0] == pytest.approx(100e9 * x[0]), "the bandwidth slope: bytes/s x FLOP/byte"
+    assert line(fig, "decode") == ([0.9, 3.1], [5e10, 2e11])
+    assert line(fig, "prefill") == ([30.0], [1.5e12])
+    ax = fig.axes[0]
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+    assert {t.get_text() for t in ax.texts} >= {"batch 1", "batch 4"}
+
+
+def test_batching_kv_speculative_plots_carry_the_measured_values():
+    rs = synthetic_results()
+    fig = bench.plot_batching(rs["batching"])
+    assert line(fig, "measured") == ([1, 2, 4], [500.0, 800.0, 889.0])
+    assert line(fig, "decode step") == ([1, 2, 4], [2.0, 2.5, 4.5])
+    assert line(fig, "roofline bound") == ([1, 2, 4], [1.0, 1.1, 1.2])
+    knees = [v for k, v in lines(fig).items() if k.startswith("knee")]
+    assert knees and all(x == [4, 4] for x, _ in knees), "the knee marked at its batch"
+    fig = bench.plot_kv_cache(rs["kv-cache"])
+    assert line(fig, "naive") == ([8, 16], [3.0, 5.0]) and line(fig, "KV cache") == ([8, 16], [1.0, 1.1])
+    fig = bench.plot_speculative(rs["speculative"])
+    assert line(fig, "copy-heavy, ngram: measured") == ([1, 4], [1.5, 3.0])
+    assert line(fig, "copy-heavy, ngram: predicted") == ([1, 4], [1.6, 3.2])
+    assert line(fig, "open-ended, ngram: measured") == ([1, 4], [0.9, 0.8])
+
+
+def test_serving_and_quantization_plots_carry_the_measured_values():
+    rs = synthetic_results()
+    fig = bench.plot_serving(rs["serving"])
+    x, p99 = line(fig, "TTFT p99")
+    assert p99 == [0.2, 0.9, 2.0] and x[:2] == [1.0, 2.0] and x[2] > 2.0, "all at once drawn right of every rate"
+    assert line(fig, "TTFT p50")[1] == [0.1, 0.3, 1.0] and line(fig, "throughput")[1] == [10.0, 18.0, 25.0]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["1", "2", "all at once"]
+    assert [v[0] for k, v in lines(fig).items() if k.startswith("knee")] == [[2.0, 2.0]]
+    fig = bench.plot_quantization(rs["quantization"])
+    assert line(fig, "float (float32): perplexity 20.5") == ([12.0], [400.0])
+    assert line(fig, "int8 weights (bfloat16): perplexity 20.9") == ([3.0], [800.0])
+    assert [3.0, 3.0] in [v[0] for v in lines(fig).values()] and [800.0, 2500.0] in [v[1] for v in lines(fig).values()]
+
+
+def test_quick_run_draws_every_picture_beside_the_json(run, results):
+    for name in bench.PLOTS:
+        assert results[name]["plot"] == str(run.plots / f"{name}.png"), name
+        with open(results[name]["plot"], "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not bench.failed(results) and not any("error" in r for r in results.values() if isinstance(r, dict))
+
+
+# -- bf16: tokens shared to the first divergence, logit gap to float32 --------------------------------------
+
+def test_agreement_counts_tokens_to_the_first_divergence():
+    assert bench.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert bench.agreement([1, 2], [1, 2, 3]) == 2 and bench.agreement([], [1]) == 0
+    assert bench.tokens_cell(torch.float32, [1, 2], [1, 2]) is True
+    assert bench.tokens_cell(torch.float32, [1, 3], [1, 2]) is False
+    assert bench.tokens_cell(torch.bfloat16, [1, 3, 3], [1, 2, 3]) == "1/3"
+    assert bench.tokens_header(torch.bfloat16) != "same tokens" == bench.tokens_header(torch.float32)
+
+
+def test_tap_rows_are_the_dense_logits_of_the_output_s_own_tokens(tiny_path, tmp_path):
+    """Every row the tap keeps is conditioned on the output's own tokens (rows behind a
+    rejected draft are dropped): in float32 its gap to the dense reference is rounding only.
+    A row assigned to the wrong position, or a rejected draft's row kept, would be far off."""
+    from model import load_model
+    from scheduler import LLM, SamplingParams
+    draft = save_checkpoint(tiny_model(seed=1, vocab_size=49152, max_seq_len=2048), tmp_path / "draft")
+    llm = LLM(tiny_path, device="cpu", dtype="float32", kv_cache_bytes=1 << 22, max_num_seqs=2,
+              speculative=str(draft), num_speculative_tokens=3)     # another model's drafts: mostly rejected
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(100, 140))]
+    with bench.LogitTap(llm) as tap:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert "_forward" not in vars(llm), "the tap is removed on exit"
+    model = load_model(tiny_path, dtype=torch.float32)[0]
+    for p, o in zip(prompts, outs):
+        rows = tap.rows(o)
+        assert sorted(rows) == list(range(len(p) - 1, len(p) + 11)), "a row for every generated token"
+        assert bench.float32_gaps(model, [(p + o.token_ids, rows)])[0] < 1e-4
+        shifted = {q + 1: row for q, row in rows.items() if q + 1 < len(p) + 11}
+        assert bench.float32_gaps(model, [(p + o.token_ids, shifted)])[0] > 0.1, "a gap that can see a wrong row"
+    assert llm.stats["accepted_tokens"] < llm.stats["draft_tokens"], "some drafts were rejected"
+    assert len(tap.seen) > sum(len(tap.rows(o)) for o in outs), "rejected drafts' rows were recorded, then dropped"
+    naive, rows = bench.naive_rows(model, prompts[1], 5)
+    assert naive == outs[1].token_ids[:5] and sorted(rows) == list(range(39, 44))
+
+
+def test_float32_weights_restore_every_dtype_bit_for_bit(tiny_path):
+    from model import load_model
+    model = load_model(tiny_path, dtype=torch.bfloat16)[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with bench.float32_weights(model):
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    after = model.state_dict()
+    for k, v in before.items():
+        assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
+
+
+def test_bf16_columns_count_shared_tokens_and_logit_gaps(tmp_path, capsys):
+    out = tmp_path / "bf16.json"
+    bench.main(["--quick", "--model", "random:smollm2-tiny", "--dtype", "bfloat16", "--only", "kv-cache",
+                "--json", str(out), "--no-plots"])
+    r = json.loads(out.read_text())["kv-cache"]
+    assert r["dtype"] == "bfloat16" and "error" not in r
+    for p in r["lengths"]:
+        assert "same_tokens" not in p, "no always-False column in bf16"
+        assert 0 <= p["shared_tokens"] <= p["tokens"]
+    gaps = r["max_logit_diff_vs_float32"]
+    assert 0 < gaps["naive"] < 1 and 0 < gaps["cached"] < 1, "bf16 rounding: visible, and far below a wrong path's"
+    text = capsys.readouterr().out
+    assert "tokens shared (to 1st divergence)" in text and "| same tokens |" not in text
+
+
+# -- isolation, --strict-sdpa, --check ----------------------------------------------------------------------
+
+def test_a_failing_experiment_reports_its_error_and_the_rest_run(tmp_path, monkeypatch, capsys):
+    def boom(b):
+        raise RuntimeError("the device fell over")
+    ran = []
+    monkeypatch.setattr(bench, "EXPERIMENTS", {"boom": boom, "fine": lambda b: ran.append(1) or ({"x": 1}, "ok")})
+    out = tmp_path / "r.json"
+    results = bench.main(["--model", "random:smollm2-tiny", "--device", "cpu", "--only", "boom,fine",
+                          "--json", str(out), "--plots", str(tmp_path / "p")])
+    saved = json.loads(out.read_text())
+    assert "RuntimeError: the device fell over" in saved["boom"]["error"] and "boom" in saved["boom"]["traceback"]
+    assert ran and saved["fine"]["x"] == 1, "the next experiment ran"
+    assert "**Failed**: RuntimeError: the device fell over" in capsys.readouterr().out
+    assert bench.failed(results)
+    monkeypatch.setattr(bench, "EXPERIMENTS", {"fine": lambda b: ({"x": 2}, "ok")})
+    again = bench.main(["--model", "random:smollm2-tiny", "--device", "cpu", "--only", "fine", "--json", str(out),
+                        "--no-plots"])
+    assert "error" in again["boom"] and not bench.failed(again), "an old failure in the file is not this run's"
+
+
+def test_strict_sdpa_flag_sets_the_kernels_switch_for_the_run(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(bench, "EXPERIMENTS", {"x": lambda b: seen.append(kernels.STRICT_SDPA) or ({}, "")})
+    before = kernels.STRICT_SDPA
+    bench.main(["--model", "random:smollm2-tiny", "--device", "cpu", "--only", "x", "--strict-sdpa", "--no-plots"])
+    assert seen == [True] and kernels.STRICT_SDPA == before
+
+
+def test_check_dry_run_on_cpu(tmp_path, capsys):
+    """`bench.py --check --device cpu`: the GPU self-check's table, every path with a verdict;
+    what needs CUDA is skipped, the int8 paths run and pass."""
+    out = tmp_path / "check.json"
+    results = bench.main(["--check", "--device", "cpu", "--model", "random:smollm2-tiny", "--json", str(out)])
+    checks = json.loads(out.read_text())["check"]["checks"]
+    assert list(checks) == list(bench.CHECKS)
+    verdicts = {name: c["verdict"] for name, c in checks.items()}
+    assert verdicts == {"compiled + CUDA graphs = eager (float32, real model)": "skipped: CPU",
+                        "int8 fused = unfused": "pass", "int8 KV cache within its bound": "pass",
+                        "tensor parallel (NCCL) N = 2 = N = 1": "skipped: CPU",
+                        "CUDA-graph memory fits as budgeted": "skipped: CPU",
+                        "SDPA reaches a fused backend": "skipped: CPU"}, checks
+    text = capsys.readouterr().out
+    assert "| path | verdict | seconds | detail |" in text and all(name in text for name in bench.CHECKS)
+    assert not bench.failed(results)
+
+
+def test_checks_fail_on_a_wrong_path(monkeypatch):
+    """The verdicts can fail: a quantizer that truncates breaks the int8 KV bound, a fused product
+    that drifts fails "int8 fused = unfused" (compile stubbed: the comparison is what is tested)."""
+    import quantize
+    b = bench.Bench(argparse.Namespace(model="random:smollm2-tiny", device="cpu", dtype="auto", quick=True))
+    right = quantize.quantize_int8
+
+    def truncating(w, dim=-1):
+        q, scale = right(w, dim)
+        return torch.trunc(w.float() / scale.unsqueeze(dim)).to(torch.int8), scale
+    monkeypatch.setattr(quantize, "quantize_int8", truncating)
+    assert bench.check_int8_kv(b)[0] == "FAIL"
+    monkeypatch.setattr(quantize, "quantize_int8", right)
+    assert bench.check_int8_kv(b)[0] == "pass"
+    monkeypatch.setattr(bench.torch, "compile", lambda layer, **kw: lambda x: layer(x) * (1 + 1e-3))
+    verdict, detail = bench.check_int8_fused(b)
+    assert verdict == "FAIL" and "fused differs" in detail
+
+
+def test_same_greedy_verdict_passes_equal_paths_and_near_ties_only():
+    """A float32 path must give the reference's tokens, and logits within float32 rounding;
+    where the tokens part, only a near tie (the reference's top two logits closer than the
+    paths' difference can flip) passes."""
+    def out(tokens, rid="0"):
+        return types.SimpleNamespace(request_id=rid, prompt_token_ids=[1, 2], token_ids=tokens, error=None)
+
+    def tap(o, rows):
+        t = bench.LogitTap(None)
+        t.seen = [(o.request_id, p, p, (o.prompt_token_ids + o.token_ids)[p:p + 1], row) for p, row in rows.items()]
+        return t
+    ref, wrong = out([3, 4]), out([3, 0])
+    r_rows = {1: torch.tensor([0.0, 0.0, 0.0, 5.0, 0.0]), 2: torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0])}
+    assert bench._same_greedy([ref], tap(ref, r_rows), [ref], tap(ref, r_rows))[0] == "pass"
+    # the same tokens, but logits off by far more than float32 rounding
+    off = {1: r_rows[1] + torch.tensor([0.0, 0.3, 0.0, 0.0, 0.0]), 2: r_rows[2]}
+    assert bench._same_greedy([ref], tap(ref, r_rows), [ref], tap(ref, off))[0] == "FAIL"
+    # tokens part where the reference's margin is 2 and the paths differ by 1e-6: a real divergence
+    w_rows = {1: r_rows[1], 2: torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0 - 1e-6])}
+    verdict, detail = bench._same_greedy([ref], tap(ref, r_rows), [wrong], tap(wrong, w_rows))
+    assert verdict == "FAIL" and "part after 1 of 2" in detail
+    # a near tie: margin 2e-6 at the divergence, paths 2e-6 apart there: either token is right
+    r_tie = {1: r_rows[1], 2: torch.tensor([2.0 - 2e-6, 0.0, 0.0, 0.0, 2.0])}
+    w_tie = {1: r_rows[1], 2: torch.tensor([2.0, 0.0, 0.0, 0.0, 2.0 - 1e-6])}
+    verdict, detail = bench._same_greedy([ref], tap(ref, r_tie), [wrong], tap(wrong, w_tie))
+    assert verdict == "pass" and "near tie" in detail
+    failed = types.SimpleNamespace(**{**vars(ref), "error": "engine step failed: boom"})
+    assert bench._same_greedy([ref], tap(ref, r_rows), [failed], tap(ref, r_rows)) == \
+        ("FAIL", "a request failed: engine step failed: boom")
