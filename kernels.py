@@ -22,6 +22,7 @@ with LLM(compile=True), steps of <= k + 1 tokens a sequence run in CompiledDecod
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
@@ -34,8 +35,17 @@ import numpy as np
 import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cache import flatten_step
+
+STRICT_SDPA = False     # True (bench.py --strict-sdpa): on CUDA, SDPA falling back to its math backend raises
+BACKEND = "inductor"    # torch.compile's backend (tests/cuda_sim.py: "aot_eager", whose aten ops it sees)
+
+
+def on_cuda(device) -> bool:
+    """Does this run take CUDA's code paths? (The one test of it: tests/cuda_sim.py says yes on a CPU.)"""
+    return torch.device(device).type == "cuda"
 
 
 # --- Batched paged attention: a group of sequences at once ---------------------
@@ -47,7 +57,7 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
     last real position (a finite softmax, dropped by the caller). Keys past seq_lens are
     masked: tables may be padded with any valid block id. Returns [B, Q, H, d]: cache.py's
     masked softmax(q k^T / sqrt(d)) v in PyTorch's fused attention (enable_gqa: query
-    head h reads KV head h // G without a copy of K, V per head)."""
+    head h reads KV head h // G without a copy of K, V per head; CUDA: grouped_attention)."""
     # assignment: decode-attention
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                  # [B, W, bs, n_kv, d]: one gather
@@ -61,9 +71,24 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
         q_pos = torch.minimum(q_pos, seq_lens[:, None] - 1)                      # padding: last real position
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None],
-                                         enable_gqa=True)                        # [B, H, Q, d]
-    return out.transpose(1, 2)
+                                         enable_gqa=True) if not on_cuda(q.device) else \
+        grouped_attention(q, k, v, visible)           # CUDA: a mask AND enable_gqa reach no fused kernel
+    return out.transpose(1, 2)                                                   # [B, H, Q, d] -> [B, Q, H, d]
     # end assignment
+
+
+def grouped_attention(q, k, v, visible):
+    """batched_paged_attention's SDPA on CUDA, where flash refuses a mask and (torch 2.11) the
+    memory-efficient kernel unequal head counts: with both, SDPA silently runs its math backend and
+    writes every score to memory. So the G query heads of a KV head become G queries of it: equal
+    head counts, a mask row per query, K, V read once per group. q [B, Q, H, d] -> [B, H, Q, d]."""
+    (B, Q, H, d), G = q.shape, q.shape[2] // k.shape[1]                                 # k, v [B, n_kv, T, d]
+    qg = q.reshape(B, Q, -1, G, d).permute(0, 2, 1, 3, 4).reshape(B, -1, Q * G, d)     # row i * G + g
+    mask = visible.repeat_interleave(G, dim=1)[:, None]                                  # [B, 1, Q*G, T]
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused) if STRICT_SDPA else contextlib.nullcontext():   # strict: a fallback raises
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)                   # [B, n_kv, Q*G, d]
+    return out.view(B, -1, Q, G, d).permute(0, 1, 3, 2, 4).reshape(B, H, Q, d)
 
 
 @dataclass
@@ -91,11 +116,9 @@ class StepContext:
         self.cache.write(layer, self.slot_mapping, k, v)         # write first: a token sees itself
         N, H, d = q.shape
         if len(self.groups) == 1 and self.groups[0].index is None:   # decode: no gather, no scatter
-            g = self.groups[0]
-            B = g.block_tables.shape[0]
-            out = batched_paged_attention(q.view(B, N // B, H, d), self.cache, layer, g.block_tables,
-                                          g.seq_lens, g.query_lens)
-            return out.reshape(N, H, d)
+            g, B = self.groups[0], self.groups[0].block_tables.shape[0]
+            return batched_paged_attention(q.view(B, N // B, H, d), self.cache, layer, g.block_tables,
+                                           g.seq_lens, g.query_lens).reshape(N, H, d)
         qx = torch.cat([q, q.new_zeros(1, H, d)])                # row N: where padded queries read and write
         out = torch.empty_like(qx)
         for g in self.groups:                                    # a few length classes, not sequences
@@ -119,8 +142,7 @@ def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                       # [B, W, bs, n_kv, d]: fused loads
     n_kv, T = k.shape[3], k.shape[1] * k.shape[2]
-    k = k.reshape(B, 1, T, n_kv, 1, d).float()
-    v = v.reshape(B, 1, T, n_kv, 1, d).float()
+    k, v = (t.reshape(B, 1, T, n_kv, 1, d).float() for t in (k, v))
     qg = q.reshape(B, Q, 1, n_kv, H // n_kv, d).float()          # GQA: G query heads per KV head
     # G innermost: the G heads sharing a K row are neighbours, so the row is loaded once.
     scores = (qg * k).sum(-1) / math.sqrt(d)                     # [B, Q, T, n_kv, G]
@@ -143,23 +165,27 @@ def query_rows(first, query_lens, Q: int):
 
 class Staging:
     """Many small int64 arrays to the device as ONE asynchronous copy from one pinned buffer
-    (each torch.tensor(list) is its own copy, from pageable memory a synchronous one). The
-    buffer is reused: the engine waits for a step's tokens before building the next."""
+    (each torch.tensor(list) is its own copy, from pageable memory a synchronous one). On
+    CUDA, before the buffer is refilled, an event waits for the last copy out of it."""
 
     def __init__(self, device):
-        self.device = torch.device(device)
-        self.pinned = self.device.type == "cuda"
-        self.buf = torch.empty(1 << 16, dtype=torch.int64, pin_memory=self.pinned)
+        self.device, self.cuda = torch.device(device), on_cuda(device)
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.buf = torch.empty(1 << 16, dtype=torch.int64, pin_memory=self.cuda)   # pinned: an async DMA
 
     def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         sizes = [a.size for a in arrays]
         total = sum(sizes)
+        if self.event is not None:
+            self.event.synchronize()          # still in flight, that copy would send the new values
         if total > self.buf.numel():
-            self.buf = torch.empty(2 * total, dtype=torch.int64, pin_memory=self.pinned)
+            self.buf = torch.empty(2 * total, dtype=torch.int64, pin_memory=self.cuda)
         host = self.buf[:total]
         if total:
             np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays], out=host.numpy())
         dev = host.to(self.device, non_blocking=True, copy=True)         # one copy
+        if self.event is not None:
+            self.event.record()                           # ... which the next send waits for
         return [t.view(a.shape) for t, a in zip(dev.split(sizes), arrays)]
 
 
@@ -243,11 +269,8 @@ class StepInputs:
 # --- The compiled step: one block compiled once, a CUDA graph per bucket ------
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16, up to the first that holds max_num_seqs."""
-    sizes = []
-    for s in itertools.chain((1, 2, 4, 8), itertools.count(16, 16)):
-        sizes.append(s)
-        if s >= max_num_seqs:
-            return sizes
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
+    return sizes[:sizes.index(bucket(max_num_seqs, sizes)) + 1]
 
 
 def width_buckets(max_blocks: int) -> list[int]:
@@ -257,16 +280,14 @@ def width_buckets(max_blocks: int) -> list[int]:
 
 def bucket(n: int, sizes: list[int]) -> int:
     """The smallest bucket that holds n."""
-    for s in sizes:
-        if s >= n:
-            return s
-    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+    if n > sizes[-1]:
+        raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+    return next(s for s in sizes if s >= n)
 
 
 def dynamic(t, *dims):
     """Tell torch.compile, before it first sees t, that these dims vary: one symbolic graph."""
-    for dim in dims:
-        torch._dynamo.maybe_mark_dynamic(t, dim)
+    torch._dynamo.maybe_mark_dynamic(t, dims)
     return t
 
 
@@ -277,11 +298,11 @@ def size_oblivious():
 
 def layer_cache(cache, layer: int):
     """A cache of the same class holding only `layer` (views, no copy) as its layer 0:
-    one graph serves all layers (a layer index would be a trace constant)."""
+    one graph serves all layers (a layer index would be a trace constant) and any pool size."""
     view = copy.copy(cache)
     for name, t in vars(cache).items():
         if isinstance(t, torch.Tensor):
-            setattr(view, name, t[layer:layer + 1])
+            setattr(view, name, dynamic(t[layer:layer + 1], 1))
     return view
 
 
@@ -293,7 +314,10 @@ class LayerContext:
         self.cache, self.slot_mapping, self.block_tables, self.q_pos = cache, slot_mapping, block_tables, q_pos
 
     def attend(self, layer: int, q, k, v):  # pragma: no cover (runs only inside torch.compile's trace)
-        self.cache.write(0, self.slot_mapping, k, v)                  # write first: a token sees itself
+        # Write first (a token sees itself) into the layer's whole [1, ...] pool (`:`, not 0): the graph
+        # INPUT the op says it mutates. AOTAutograd rebuilds a mutated view OF an input from the offset
+        # seen in tracing (layer 0's), unguarded: other layers' writes would land in a copy of layer 0.
+        self.cache.write(slice(None), self.slot_mapping, k, v)
         B, Q = self.q_pos.shape
         out = paged_attention_in_place(q.view(B, Q, *q.shape[1:]), self.cache, 0, self.block_tables, self.q_pos)
         return out.flatten(0, 1)                                       # [B*Q, H, d]
@@ -318,7 +342,7 @@ class CompiledModel:
         self.embed_tokens, self.norm = model.embed_tokens, model.norm
         # Each model and dtype compiled in one process adds variants; dynamo's default limit is 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        block, head = torch.compile(_block, fullgraph=True), torch.compile(_head, fullgraph=True)
+        block, head = (torch.compile(f, fullgraph=True, backend=BACKEND) for f in (_block, _head))
         self.layers = [functools.partial(self._run_block, block, i, b) for i, b in enumerate(model.layers)]
         self.lm_head = lambda x: head(model.lm_head, dynamic(x, 0))
 
@@ -343,8 +367,7 @@ class CompiledDecoder:
         self.model, self.cache, self.scratch_block = model, cache, scratch_block
         self.batch_sizes, self.widths = batch_buckets(max_num_seqs), width_buckets(max_blocks_per_seq)
         self.query_sizes = sorted(set(query_sizes) | {1})
-        self.device = cache.k.device
-        self.cuda = self.device.type == "cuda"
+        self.device, self.cuda = cache.k.device, on_cuda(cache.k.device)
         self.regions = CompiledModel(model)
         self.layer_caches = [layer_cache(cache, i) for i in range(model.config.n_layers)]
         rows = self.batch_sizes[-1] * self.query_sizes[-1]
@@ -356,7 +379,6 @@ class CompiledDecoder:
         self.staging = Staging(self.device)
         self.contexts, self.graphs, self.pool = {}, {}, None
         self.steps = {Q: 0 for Q in self.query_sizes}        # steps run per query size (tests, bench)
-        self.warm = False
 
     def fits(self, query_lens) -> bool:
         """Can a step with these per-sequence query lengths run here?"""
@@ -371,13 +393,9 @@ class CompiledDecoder:
         key = (bucket(int(qlens.max()), self.query_sizes), bucket(len(qlens), self.batch_sizes),
                bucket(int(last.max()) // self.cache.block_size + 1, self.widths))
         prow = self._load(key, tokens, positions, slots, tables, qlens)
-        if key in self.graphs:
-            self.graphs[key].replay()  # pragma: no cover (CUDA graphs)
-        else:
-            self._forward(key)
+        self._run(key)
         self.steps[key[0]] += 1
-        if logits_rows is not None:
-            prow = prow[np.asarray(logits_rows, dtype=np.int64)]
+        prow = prow if logits_rows is None else prow[np.asarray(logits_rows, dtype=np.int64)]
         return self.logits[torch.from_numpy(prow).to(self.device)]    # a copy: the next step overwrites
 
     def _load(self, key, tokens, positions, slots, tables, qlens):
@@ -391,8 +409,7 @@ class CompiledDecoder:
             ids[:B], pos[:B] = np.where(real, tokens[src], 0), positions[src]
             slot[:B] = np.where(real, slots[src], scratch)
         table = np.full((Bp, W), self.scratch_block, dtype=np.int64)
-        w = min(W, tables.shape[1])
-        table[:B, :w] = tables[:, :w]
+        table[:B, :tables.shape[1]] = tables[:, :W]
         for static, part in zip((self.ids, self.positions, self.slots, self.tables),
                                 self.staging.send([ids, pos, slot, table])):     # one copy ...
             static[:part.numel()].copy_(part.flatten())         # ... then into the graph's fixed addresses
@@ -401,8 +418,7 @@ class CompiledDecoder:
     def _bucket(self, key):
         """The static inputs of bucket (Q, B, W) and its per-layer contexts (made once)."""
         if key not in self.contexts:
-            Q, B, W = key
-            n = B * Q
+            (Q, B, W), n = key, key[0] * key[1]
             q_pos = dynamic(self.positions[:n].view(B, Q), 0, 1)        # a query's position bounds its keys
             tables = dynamic(self.tables[:B * W].view(B, W), 0, 1)
             slots = dynamic(self.slots[:n], 0)
@@ -418,7 +434,11 @@ class CompiledDecoder:
             logits = type(self.model).forward(self.regions, ids, positions, ctx)    # [B*Q, V]
         self.logits[:len(ids)].copy_(logits)
 
-    def _record(self, key):  # pragma: no cover (CUDA graphs)
+    def _run(self, key):
+        """Run bucket `key` on what its static inputs hold: its CUDA graph's replay, or the step."""
+        self.graphs[key].replay() if key in self.graphs else self._forward(key)
+
+    def _record(self, key):
         """CUDA: record bucket `key`'s whole step, eager parts included, as ONE graph (not
         one per region as mode="reduce-overhead"), in a pool shared by all buckets."""
         self._forward(key)                                   # compiles (first bucket) and warms up
@@ -426,35 +446,33 @@ class CompiledDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self._forward(key)
-        self.pool = graph.pool()
-        self.graphs[key] = graph
+        self.pool, self.graphs[key] = graph.pool(), graph
 
     def warmup_buckets(self) -> list[tuple]:
         """The (Q, B, W) run at warm-up. CUDA: all, biggest first so the shared pool fits them.
         CPU, per Q: batch 1 and the biggest, narrowest; batch 1, widest: all guards crossed (int8's rows too)."""
-        if self.cuda:  # pragma: no cover (CUDA: every bucket is a graph)
+        if self.cuda:
             keys = itertools.product(self.query_sizes, self.batch_sizes, self.widths)
             return sorted(keys, key=lambda k: -k[0] * k[1] * k[2])
         lo, hi = self.widths[0], self.widths[-1]
         return [k for Q in self.query_sizes for k in ((Q, 1, lo), (Q, self.batch_sizes[-1], lo), (Q, 1, hi))]
 
+    def scratch_step(self, key=None):
+        """Load bucket `key`'s static inputs with no real row (all writes go to the scratch block); return
+        its step. No key: the largest bucket, what a memory budget must hold (support/timing.py step_memory)."""
+        key = key or (self.query_sizes[-1], self.batch_sizes[-1], self.widths[-1])
+        self._load(key, *[np.zeros(0, np.int64)] * 3, np.zeros((0, 1), np.int64), np.zeros(0, np.int64))
+        return lambda: self._forward(key)
+
     @torch.inference_mode()                   # as LLM.step runs (grad mode is guarded on)
     def warmup(self) -> float:
-        """Compile (and on CUDA record) every bucket now, on scratch rows only; called again
-        (serve.py, from its engine thread) it only replays the graphs. Returns seconds."""
+        """Compile (and on CUDA record) every bucket now, on scratch rows only; seconds. Called again (serve.py's
+        engine thread) it reloads scratch rows first: the last real step's slots are in others' blocks."""
         t0 = time.perf_counter()
-        if self.warm:
-            for graph in self.graphs.values():
-                graph.replay()  # pragma: no cover (CUDA graphs)
-        else:
-            empty = np.zeros(0, dtype=np.int64)
-            for key in self.warmup_buckets():
-                self._load(key, empty, empty, empty, np.zeros((0, 1), np.int64), empty)
-                if self.cuda:  # pragma: no cover (CUDA graphs)
-                    self._record(key)
-                else:
-                    self._forward(key)
-            self.warm = True
-        if self.cuda:  # pragma: no cover (CUDA)
+        for key in self.warmup_buckets():
+            self.scratch_step(key)
+            self._record(key) if self.cuda and key not in self.graphs else self._run(key)
+        if self.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
+

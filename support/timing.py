@@ -10,12 +10,13 @@ shared machine goes wrong in three quiet ways, each handled once here:
   * another process or a page fault makes one run slow: the MEDIAN is
     reported, which one outlier cannot move, not the mean.
 
-Used by every measurement of bench.py, and by the one choice the engine
-makes by timing, while it is built: choose_weight_layout. Imports nothing of
-the tour.
+Used by every measurement of bench.py, and by the engine while it is built:
+choose_weight_layout (the one choice it makes by timing) and step_memory (the
+bytes a compiled step needs beside the KV pool). Imports nothing of the tour.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -81,11 +82,37 @@ def choose_weight_layout(model: nn.Module) -> str:
     w = max(linears, key=lambda m: m.weight.numel()).weight.detach()
     x, sync = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype), device_sync(w.device)
     w_in_out = w.t().contiguous().t()                              # [out, in] values, stored [in, out]
-    t_default = median_seconds(lambda: F.linear(x, w), sync=sync)
-    t_transposed = median_seconds(lambda: F.linear(x, w_in_out), sync=sync)
-    del w_in_out                                                   # a copy of the biggest layer: free it now
+    t_default = median_seconds(functools.partial(F.linear, x, w), sync=sync)
+    t_transposed = median_seconds(functools.partial(F.linear, x, w_in_out), sync=sync)
+    del w, w_in_out                                                # the timed copies: free them now
     if t_transposed > 0.9 * t_default:
         return "default"
+    # One layer at a time: each old weight is freed as its copy replaces it (nothing else may hold
+    # it), so the peak is the weights plus ONE layer, never two copies of the model (8B: 16 GB).
     for m in linears:
         m.weight = nn.Parameter(m.weight.detach().t().contiguous().t(), requires_grad=False)
     return "transposed"
+
+
+# ----------------------------------------------------------------------------
+# Memory: what a step needs beside the KV pool, measured before the pool is sized
+# ----------------------------------------------------------------------------
+def step_memory(make_step, device, graphs: bool, memory=torch.cuda) -> int:
+    """Device bytes to leave free beside the KV pool for one kind of step (vLLM's and nano-vllm's
+    profile run). make_step() allocates what the step keeps (its static buffers) and returns the
+    step; the step runs once (compiling), then again while `memory` (torch.cuda's allocator
+    counters, or a test's stub) reads its peak. The static buffers count once and the step's
+    temporaries once more with CUDA graphs: their shared pool keeps that much for good, and
+    the eager steps beside them need their own. The probe's memory goes back to the device
+    (empty_cache), so that a free-memory reading after it sees it."""
+    before = memory.memory_allocated(device)
+    step = make_step()
+    with torch.inference_mode():
+        step()
+        memory.reset_peak_memory_stats(device)
+        static = memory.memory_allocated(device)
+        step()
+        temporaries = memory.max_memory_allocated(device) - static
+    del step
+    memory.empty_cache()
+    return static - before + temporaries * (2 if graphs else 1)

@@ -5,7 +5,8 @@ To pass, implement:
     queries per sequence: one gather through the block tables, a length mask,
     GQA without copying K, V per query head (head h reads KV head h // group). It must equal the
     reference cache.paged_attention on ragged batches, any block size and
-    grouping, with block tables padded by garbage ids;
+    grouping, with block tables padded by garbage ids. On CUDA (kernels.on_cuda) it hands
+    k, v and the mask to grouped_attention: no fused CUDA kernel takes a mask AND GQA;
   * paged_attention_in_place: the same function, written so that torch.compile
     fuses the gather into its reductions (no copy of the blocks); equal to the
     reference eagerly and compiled, for plain and int8 caches and ragged
@@ -20,8 +21,15 @@ To pass, implement:
     warm-up no step compiles anything new; LLM(compile=True) gives exactly the
     tokens of the eager engine, with speculative verification steps too;
     int8 weights through the compiled (fused) product equal float32 arithmetic;
+    with backend="aot_eager" (no inductor pass) every step equals eager too;
+  * the CUDA path, through the capture simulator (tests/cuda_sim.py): warm-up records
+    every bucket as one graph in one shared pool, each step is a replay equal to the
+    eager step; a decoder that skips a static buffer or reads a graph's own output
+    fails; warming up again writes only the scratch block; the pinned staging buffer
+    waits on an event before each refill;
   * choose_weight_layout (support/timing.py, built with the compiled path):
-    the same function, another memory layout of the weights.
+    the same function, another memory layout of the weights, one layer at a time;
+    support.timing.step_memory: the largest bucket's peak, measured.
 Compilation is kept cheap: 2- and 3-layer models, max_num_seqs 4, and an
 inductor cache in the test's temporary folder.
 """
@@ -397,3 +405,344 @@ def test_compiled_verification_gives_the_eager_tokens(tiny_path):
     assert llm.stats["accepted_tokens"] > 0
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled after warm-up"
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+# ----------------------------------------------------------------------------
+# The CUDA path on a CPU: AOTAutograd without inductor, and CUDA graphs simulated
+# (tests/cuda_sim.py: captures record aten ops, replays re-run them on the same tensors)
+# ----------------------------------------------------------------------------
+SIM_BLOCKS, SIM_BS = 4, 4                 # blocks per sequence, tokens per block; the scratch block is last
+
+
+def _sim_script(seed: int, n_seqs: int, max_q: int, steps: int):
+    """A schedule of compiled steps: per step, (sequence, tokens fed) for a varying subset of
+    sequences (the batch bucket changes), each feeding 1..max_q tokens (decode, ragged
+    verification), never past its SIM_BLOCKS blocks (the width bucket grows to the widest)."""
+    rng, fed, script = random.Random(seed), [0] * n_seqs, []
+    for _ in range(steps):
+        live = [s for s in range(n_seqs) if fed[s] < SIM_BLOCKS * SIM_BS]
+        if not live:
+            break
+        batch = sorted(rng.sample(live, rng.randint(1, len(live))))
+        step = [(s, min(rng.randint(1, max_q), SIM_BLOCKS * SIM_BS - fed[s])) for s in batch]
+        script.append(step)
+        for s, n in step:
+            fed[s] += n
+    return script
+
+
+def _sim_steps(model, cache, script, run, seed=0):
+    """Run the script through run(tokens, positions, slots, tables, query_lens, lens) -> logits
+    (every row's); returns the logits of each step. Sequence s owns blocks s*SIM_BLOCKS...;
+    tables are padded with the scratch block; the token ids are random, not sampled (no feedback)."""
+    rng, fed, outs = random.Random(seed + 1), {}, []
+    for step in script:
+        tokens, positions, slots, tables, qlens, lens = [], [], [], [], [], []
+        for s, n in step:
+            start = fed.get(s, 0)
+            table = [s * SIM_BLOCKS + j for j in range(SIM_BLOCKS)]
+            tokens += [rng.randrange(model.config.vocab_size) for _ in range(n)]
+            positions += list(range(start, start + n))
+            slots += [table[p // SIM_BS] * SIM_BS + p % SIM_BS for p in range(start, start + n)]
+            tables.append(table)
+            qlens.append(n)
+            lens.append(start + n)
+            fed[s] = start + n
+        with torch.inference_mode():
+            outs.append(run(tokens, positions, slots, np.array(tables), qlens, lens).clone())
+    return outs
+
+
+def _sim_compare(model, cache_cls, script, decoder_steps, atol=1e-4):
+    """decoder_steps(cache) -> run function; each step's logits and the real blocks of the cache
+    against the eager reference (cache.py's per-sequence attention through the same model)."""
+    n_blocks = 4 * SIM_BLOCKS + 1
+    ref_cache = cache_cls(model.config, n_blocks, SIM_BS, "cpu", torch.float32)
+    dec_cache = cache_cls(model.config, n_blocks, SIM_BS, "cpu", torch.float32)
+
+    def eager(tokens, positions, slots, tables, qlens, lens):
+        ctx = AttentionContext(ref_cache, torch.tensor(slots), torch.tensor(tables), lens, qlens)
+        return model(torch.tensor(tokens), torch.tensor(positions), ctx)
+    ref = _sim_steps(model, ref_cache, script, eager)
+    got = _sim_steps(model, dec_cache, script, decoder_steps(dec_cache))
+    for i, (a, b) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=lambda m, i=i: f"step {i} {script[i]}: {m}")
+    real = 4 * SIM_BLOCKS                         # blocks past it: the scratch block
+    for name, t in vars(ref_cache).items():
+        if isinstance(t, torch.Tensor):
+            torch.testing.assert_close(getattr(dec_cache, name)[:, :real].float(), t[:, :real].float(),
+                                       atol=atol, rtol=atol, msg=lambda m, n=name: f"cache {n}: {m}")
+
+
+def _decoder(model, query_sizes=(1,), warm=True):
+    """decoder_steps for _sim_compare: a CompiledDecoder for 4 sequences of SIM_BLOCKS blocks."""
+    def make(cache):
+        dec = CompiledDecoder(model, cache, max_num_seqs=4, max_blocks_per_seq=SIM_BLOCKS,
+                              scratch_block=4 * SIM_BLOCKS, query_sizes=query_sizes)
+        if warm:
+            dec.warmup()
+        make.decoder = dec
+        return lambda tokens, positions, slots, tables, qlens, lens: dec(tokens, positions, slots, tables, qlens)
+    return make
+
+
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
+def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch):
+    """The compiled step is right by the declared semantics of its ops, not by an inductor
+    pass: with backend="aot_eager" (AOTAutograd's functionalization, no re-inplacing), every
+    step of a 2-layer model equals the eager step and leaves the same cache. (Writing into a
+    view OF a graph input, cache.write(0, ...) on a layer's [1, ...] view, lost the K/V of
+    every layer but the first: AOTAutograd rebuilt that view from layer 0's storage offset.)"""
+    import kernels
+    monkeypatch.setattr(kernels, "BACKEND", "aot_eager")
+    model = tiny_model(seed=11)
+    _sim_compare(model, KVCache, _sim_script(0, 4, 1, 8), _decoder(model, warm=False))
+
+
+@pytest.mark.parametrize("variant", ["float32", "int8"])
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "int8")
+def test_cuda_graph_steps_equal_eager(variant):
+    """Through the capture simulator: warm-up records EVERY (Q, B, W) bucket as one graph,
+    biggest first, in one shared pool, and each step is a replay. Every step's logits and the
+    cache equal the eager steps': decodes and ragged k+1 verifications over changing batch and
+    width buckets; "int8": int8 weights (the fused product) over the int8 KV cache."""
+    from cuda_sim import simulate_cuda
+
+    import quantize
+    model = tiny_model(seed=12)
+    if variant == "int8":
+        model = quantize.quantize_model(model)
+    max_q = 1 if variant == "int8" else 4                 # int8: decode steps only (fewer graphs)
+    with simulate_cuda() as sim:
+        make = _decoder(model, query_sizes=(1, max_q))
+        _sim_compare(model, Int8KVCache if variant == "int8" else KVCache, _sim_script(1, 4, max_q, 8), make)
+    dec = make.decoder
+    assert len(dec.graphs) == len(dec.query_sizes) * len(dec.batch_sizes) * len(dec.widths) == len(sim.graphs)
+    sizes = [k[0] * k[1] * k[2] for k in dec.graphs]
+    assert sizes == sorted(sizes, reverse=True), "recorded biggest first: the shared pool grows once"
+    assert len({g.pool_id for g in sim.graphs}) == 1, "one memory pool shared by every bucket's graph"
+    assert sim.replays >= 8 and sim.syncs >= len(sim.graphs)
+    assert sum(dec.steps.values()) == 8 and (variant == "int8" or dec.steps[4] > 0)
+
+
+@pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
+def test_cuda_graph_engine_gives_the_eager_tokens(tiny_path):
+    """The whole engine on the simulated CUDA path: requests join and finish at different steps
+    (prefill chunks run eagerly between replays), n-gram drafts are verified in k + 1 = 4-token
+    replays, and the greedy tokens are the plain eager engine's."""
+    from cuda_sim import simulate_cuda
+    prompts = [[5, 6, 7, 8] * 5, list(range(100, 110)) * 3, [42] * 5, [9, 8, 7, 6]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 12, 16, 9)]
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 17, block_size=16)
+    eager = _run_staggered(LLM(tiny_path, **kw), prompts, params)
+    with simulate_cuda() as sim:
+        llm = LLM(tiny_path, compile=True, speculative="ngram", num_speculative_tokens=3, **kw)
+        assert len(llm.decoder.graphs) == len(sim.graphs) == 2 * 3 * len(llm.decoder.widths)
+        outs = _run_staggered(llm, prompts, params)
+    assert outs == eager, "the CUDA-graph engine changed a greedy output"
+    assert llm.decoder.steps[1] > 0 and llm.decoder.steps[4] > 0 and sim.replays == sum(llm.decoder.steps.values())
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def _forgets_the_static_copy(monkeypatch):
+    """A decoder whose step reads its inputs where this step's copy put them, new tensors each
+    step, instead of copying them into the static buffers a graph was recorded on."""
+    load = CompiledDecoder._load
+
+    def forgetful(self, key, *args):
+        prow = load(self, key, *args)
+        self.ids, self.positions, self.slots, self.tables = (t.clone() for t in
+                                                             (self.ids, self.positions, self.slots, self.tables))
+        self.contexts.clear()                          # this step's views, over this step's tensors
+        return prow
+    monkeypatch.setattr(CompiledDecoder, "_load", forgetful)
+
+
+def _keeps_a_graph_output(monkeypatch):
+    """A decoder that reads a step's logits from a graph's own output (pool memory), not from
+    the static buffer every graph copies its output into."""
+    def keeps(self, key):
+        ids, positions, ctx = self._bucket(key)
+        with size_oblivious():
+            self.logits = type(self.model).forward(self.regions, ids, positions, ctx)
+    monkeypatch.setattr(CompiledDecoder, "_forward", keeps)
+
+
+@pytest.mark.parametrize("bug", [_forgets_the_static_copy, _keeps_a_graph_output])
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
+def test_cuda_graph_simulator_catches_a_broken_decoder(bug, monkeypatch):
+    """The bugs CUDA graphs add, each invisible on the CPU path (there the same broken decoder
+    equals eager): a step that forgets to copy into a static buffer replays the recorded
+    step's inputs; one that reads a graph's output reads memory other graphs share."""
+    import kernels
+    from cuda_sim import simulate_cuda
+    monkeypatch.setattr(kernels, "BACKEND", "aot_eager")
+    bug(monkeypatch)
+    model, script = tiny_model(seed=13), _sim_script(2, 4, 1, 4)
+    _sim_compare(model, KVCache, script, _decoder(model))            # CPU: no graph, no bug
+    with simulate_cuda(), pytest.raises((AssertionError, IndexError)):   # wrong values, or another graph's shape
+        _sim_compare(model, KVCache, script, _decoder(model))
+
+
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
+def test_warmup_again_after_serving_writes_only_the_scratch_block():
+    """serve.py warms the decoder up again in its engine thread. Every graph then replays on
+    what its static inputs hold: after serving, the last real step's slots and tables. Each
+    replay must reload the scratch inputs first: no block a sequence owns may change."""
+    from cuda_sim import simulate_cuda
+    model = tiny_model(seed=14)
+    with simulate_cuda() as sim:
+        make = _decoder(model)
+        _sim_compare(model, KVCache, _sim_script(3, 4, 1, 6), make)    # serve a few steps
+        dec, real = make.decoder, 4 * SIM_BLOCKS
+        torch.manual_seed(0)
+        dec.cache.k.normal_(), dec.cache.v.normal_()                # any write shows
+        before_k, before_v, replays = dec.cache.k.clone(), dec.cache.v.clone(), sim.replays
+        dec.warmup()
+    assert sim.replays - replays == len(dec.graphs), "warm-up again replays every graph (records none)"
+    for after, before in ((dec.cache.k, before_k), (dec.cache.v, before_v)):
+        changed = (after[:, :real] != before[:, :real]).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
+        assert not changed, f"warm-up again wrote into blocks {changed}, which sequences own"
+    assert not torch.equal(dec.cache.k[:, real:], before_k[:, real:]), "the replays wrote the scratch block"
+
+
+def test_cuda_graph_simulator_is_a_strict_capture():
+    """The simulator itself: a capture refuses what needs the host, leaves its inputs as they
+    were and its memory garbage; a replay re-runs the ops on the same tensors; a replay
+    poisons what other graphs of its pool allocated (another pool's stay)."""
+    from cuda_sim import HostSyncError, simulate_cuda
+    x = torch.arange(6.0)
+    with simulate_cuda() as sim:
+        for host in (lambda: x.sum().item(), lambda: x.tolist(), lambda: x.nonzero(), lambda: x[x > 2],
+                     lambda: x.numpy(), lambda: x.cpu(), lambda: torch.randn(3), lambda: torch.cuda.synchronize()):
+            with pytest.raises(HostSyncError), torch.cuda.graph(torch.cuda.CUDAGraph()):
+                host()
+        x.sum().item(), x[x > 2], torch.cuda.synchronize()          # outside a capture: allowed
+        assert sim.syncs == 1 and sim.replays == 0
+        triple = torch.compile(lambda t: t * 3, backend="aot_eager")
+        with pytest.raises(HostSyncError, match="compiled"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            triple(x)                                               # a compile inside a capture
+        a, b, c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(a):
+            y = x * 2                                               # a's memory
+            x.add_(1)                                               # a static input, mutated
+        assert torch.equal(x, torch.arange(6.0)) and y.isnan().all(), "a capture runs nothing"
+        a.replay()
+        assert torch.equal(x, torch.arange(6.0) + 1) and torch.equal(y, torch.arange(6.0) * 2)
+        with torch.cuda.graph(b, pool=a.pool()):
+            x + 1                                                   # b's memory
+        with torch.cuda.graph(c):                                   # a pool of its own
+            w = x - 1
+        c.replay()
+        assert torch.equal(w, x - 1) and torch.equal(y, torch.arange(6.0) * 2), "another pool: untouched"
+        b.replay()
+        assert y.isnan().all(), "b shares a's pool: a's memory may hold b's values"
+
+
+def test_staging_waits_for_its_last_copy_before_refilling(monkeypatch):
+    """The pinned buffer is reused every step, and its copy to the GPU is asynchronous: on CUDA
+    an event is recorded after each copy and waited on before the next refill (vLLM hit this
+    race when a refill overtook a copy still in flight). A stub event logs what the buffer
+    holds at each call: wait, fill, copy, record, in that order, every step."""
+    import kernels
+    log = []
+
+    class StubEvent:
+        def record(self):
+            log.append(("record", staging.buf[:3].tolist()))
+
+        def synchronize(self):
+            log.append(("synchronize", staging.buf[:3].tolist()))
+    to = torch.Tensor.to
+    empty = torch.empty
+    monkeypatch.setattr(kernels, "on_cuda", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "Event", StubEvent)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **kw: empty(*a, **kw))   # no pinned memory here
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: log.append(("copy", t[:3].tolist())) or to(t, *a, **kw))
+    staging = kernels.Staging("cpu")
+    first = staging.send([np.array([1, 2]), np.array([3])])
+    second = staging.send([np.array([7, 8, 9])])
+    assert [t.tolist() for t in first] == [[1, 2], [3]] and second[0].tolist() == [7, 8, 9]
+    assert [what for what, _ in log] == ["synchronize", "copy", "record"] * 2
+    assert log[1:] == [("copy", [1, 2, 3]), ("record", [1, 2, 3]), ("synchronize", [1, 2, 3]),
+                       ("copy", [7, 8, 9]), ("record", [7, 8, 9])], "refilled before its copy was waited for"
+
+
+@pytest.mark.parametrize("block_size,n_heads,n_kv,Q", ATTENTION_CASES)
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes", "int8")
+def test_cuda_attention_reaches_a_fused_kernel(block_size, n_heads, n_kv, Q, monkeypatch):
+    """On CUDA (forced here on a CPU), batched_paged_attention must not hand SDPA a boolean
+    mask together with GQA (unequal head counts, enable_gqa): flash refuses the mask, and in
+    torch 2.11 the memory-efficient kernel the GQA, so SDPA would silently run its math
+    backend. kernels.grouped_attention folds each KV head's G query heads into its queries
+    instead; it must still equal the reference. With kernels.STRICT_SDPA the call runs with
+    the math backend off (sdpa_kernel), so a fallback raises instead of timing math."""
+    import torch.nn.functional as F
+
+    import kernels
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, enable_gqa=False, **kw):
+        calls.append((attn_mask is not None, enable_gqa or q.shape[1] != k.shape[1],
+                      torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        with sdpa_kernel(SDPBackend.MATH):                        # this CPU has no fused CUDA kernel
+            return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(kernels, "on_cuda", lambda device: True)
+    for strict in (False, True):
+        monkeypatch.setattr(kernels, "STRICT_SDPA", strict)
+        cache, q, bt, seq_lens, qlens = _random_pool(KVCache, block_size, n_heads, n_kv, Q, ragged=Q > 1)
+        ref = paged_attention(q.flatten(0, 1), cache, 0, bt, seq_lens, [Q] * len(seq_lens))
+        out = batched_paged_attention(q, cache, 0, bt, torch.tensor(seq_lens)).flatten(0, 1)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=f"strict={strict}: CUDA's attention differs")
+        (mask, gqa, math_on, flash_on), = calls[-1:]
+        assert not (mask and gqa), "a boolean mask together with GQA: no fused CUDA kernel takes both"
+        assert math_on == (not strict) and flash_on, f"STRICT_SDPA={strict}: math backend on: {math_on}"
+    assert len(calls) == 2
+
+
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
+def test_step_memory_measures_the_largest_bucket(monkeypatch):
+    """The KV pool is sized after measuring what a compiled step needs beside it (vLLM's and
+    nano-vllm's profile run): the largest bucket, run once to compile, then measured with the
+    allocator's peak, read here by a meter of CPU allocations in place of torch.cuda. Its
+    static buffers count once, its temporaries once more with CUDA graphs (their pool)."""
+    import kernels
+    from cuda_sim import MemoryMeter
+    from support.timing import step_memory
+    monkeypatch.setattr(kernels, "BACKEND", "aot_eager")          # the meter sees aten ops, not C++ kernels
+    model, run = tiny_model(seed=15), []
+    forward = CompiledDecoder._forward
+    monkeypatch.setattr(CompiledDecoder, "_forward", lambda self, key: run.append(key) or forward(self, key))
+    V, meter = model.config.vocab_size, MemoryMeter()
+    pool = lambda: KVCache(model.config, 1, 4, "cpu", torch.float32)       # noqa: E731 (one block: the scratch)
+    make = lambda: CompiledDecoder(model, pool(), max_num_seqs=5, max_blocks_per_seq=6,   # noqa: E731
+                                   scratch_block=0, query_sizes=(1, 3)).scratch_step()
+    with meter:
+        eager, graphs = (step_memory(make, "cpu", graphs, memory=meter) for graphs in (False, True))
+    assert run == [(3, 8, 8)] * 4, "the largest bucket (Q 3, batch 8, width 8), twice per measurement"
+    logits = 3 * 8 * V * 4                                         # [B*Q, V] float32: static, and a temporary
+    assert eager >= 2 * logits and graphs - eager >= logits, (eager, graphs)
+    assert graphs - eager < eager, "the temporaries are counted once more, not the static buffers"
+
+
+def test_weight_layout_frees_each_old_weight_as_it_goes(monkeypatch):
+    """choose_weight_layout runs before the KV pool takes the free memory, and rewrites the
+    weights one layer at a time: each old weight is freed before the next copy is made, so
+    the peak is the weights plus ONE layer (not two copies of the model, 16 GB at 8B)."""
+    import weakref
+
+    import support.timing
+    model = tiny_model(seed=3, ffn_dim=1024, tie_embeddings=False)     # the largest layer is not the last
+    log, contiguous = [], torch.Tensor.contiguous
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            weakref.finalize(m.weight.untyped_storage(), log.append, "freed")     # its memory, not the object
+    times = iter([1.0, 0.5])                                        # [in, out] measured 2x faster
+    monkeypatch.setattr(support.timing, "median_seconds", lambda fn, **kw: (fn(), next(times))[1])
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **kw: log.append("copy") or contiguous(t, *a, **kw))
+    assert choose_weight_layout(model) == "transposed"
+    n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert log == ["copy"] + ["copy", "freed"] * n, "an old weight outlived the next layer's copy"
