@@ -286,6 +286,10 @@ SLOW_TESTS = {
     "tests/test_kernels.py::test_compiled_step_pads_into_scratch_and_compiles_once": 300,
     "tests/test_kernels.py::test_compiled_engine_equals_eager_without_recompiling": 300,
     "tests/test_kernels.py::test_compiled_verification_gives_the_eager_tokens": 300,
+    "tests/test_kernels.py::test_cuda_graph_steps_equal_eager": 300,     # the capture simulator
+    "tests/test_kernels.py::test_cuda_graph_engine_gives_the_eager_tokens": 300,
+    "tests/test_kernels.py::test_compiled_steps_through_aot_autograd_alone_equal_eager": 300,
+    "tests/test_kernels.py::test_cuda_graph_simulator_catches_a_broken_decoder": 300,
     "tests/test_quantize.py::test_int8_linear_compiled_equals_linear_on_dequantized_weight": 300,
     "tests/test_parallel.py::test_real_model_n3_greedy_tokens_equal_unsharded": 300,       # worker processes
     "tests/test_parallel.py::test_engine_n2_equals_n1_batched_chunked_preempted": 300,
