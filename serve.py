@@ -63,7 +63,7 @@ class Schema(BaseModel):
 
 class StreamOptions(Schema):
     include_usage: bool | None = None         # a last chunk with the token counts
-    continuous_usage_stats: bool | None = None   # vLLM's: the counts so far in every chunk too
+    continuous_usage_stats: bool | None = None   # vLLM's: with include_usage, the counts in every chunk too
 
 
 class Sampling(Schema):                       # what both endpoints take
@@ -349,7 +349,7 @@ def stream(engine: Engine, rids: list, q: asyncio.Queue, reply: Reply, opts: Str
     head = {**reply.head, "object": "chat.completion.chunk" if reply.chat else "text_completion"}
 
     def event(choices, **extra) -> str:
-        usage = {"usage": reply.usage()} if opts.continuous_usage_stats else {}
+        usage = {"usage": reply.usage()} if opts.include_usage and opts.continuous_usage_stats else {}
         return "data: " + json.dumps({**head, "choices": choices, **usage, **extra}) + "\n\n"
 
     async def events():

@@ -11,7 +11,8 @@ asyncio.Queue per HTTP request, fed with loop.call_soon_threadsafe), answering
     is choice i * n + j); echo, and logprobs over the prompt's tokens too (the
     first one null), equal to a dense forward pass's log_softmax; max_tokens 0
     with echo scores only; chat logprobs; the usage chunk only when
-    stream_options.include_usage asks; vLLM's extras at their neutral values;
+    stream_options.include_usage asks (with continuous_usage_stats, in every
+    chunk too); vLLM's extras at their neutral values;
   * GET /v1/models (with root), /health, /metrics (Prometheus text),
     /tokenizer_info, POST /tokenize and /detokenize (vLLM's shapes);
   * every error as an OpenAI error object {"error": {message, type, param, code}}:
@@ -34,7 +35,11 @@ asyncio.Queue per HTTP request, fed with loop.call_soon_threadsafe), answering
 What moved to uvicorn is checked as uvicorn's (a 400 for malformed HTTP and
 oversized headers, 503 beyond --max-connections, the keep-alive timeout).
 Greedy answers must equal offline LLM.generate, also under 64 and 256
-concurrent clients. The servers run the tiny random model on free loopback ports.
+concurrent clients. The exact bodies real clients sent (lm-evaluation-harness,
+guidellm, vLLM's benchmark, the openai client: tests/fixtures/clients/) get
+the offline values; with echo + logprobs the generated token is always the
+last entry, EOS included (lm-eval drops it blindly). The servers run the tiny
+random model on free loopback ports.
 """
 import asyncio
 import contextlib
@@ -245,6 +250,69 @@ def stream_texts(chunks: list, field="text") -> dict:
     return texts
 
 
+# The clients' recorded bodies (tests/fixtures/clients/*.json: the tool, its version, the command, what it
+# reads back). They name the default model; the server here runs the tiny random model with the same
+# tokenizer, so each body's "model" becomes the served name (nothing else is changed).
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "clients")
+TOL = 1e-5
+
+
+def recorded(name: str) -> list[dict]:
+    with open(os.path.join(FIXTURES, name + ".json")) as f:
+        return json.load(f)["requests"]
+
+
+@pytest.fixture(scope="module")
+def served_name(server):
+    status, out = request(server, "GET", "/v1/models")
+    assert status == 200, out
+    model = out["data"][0]
+    # vLLM's shape: id = the served name, root = what it was loaded from (older `vllm bench serve`
+    # versions read root, to load the tokenizer)
+    assert isinstance(model.get("root"), str) and model["root"], f"/v1/models lacks 'root': {model}"
+    return model["id"]
+
+
+def replay(server, rec: dict, name: str):
+    """Send one recorded request as the tool sent it (its headers too), the model renamed."""
+    body = rec["body"]
+    if isinstance(body, dict) and "model" in body:
+        body = {**body, "model": name}
+    headers = {k: v for k, v in rec["headers"].items() if k != "content-type"}
+    status, out = request(server, rec["method"], rec["path"], body=body, headers=headers)
+    if isinstance(body, dict) and body.get("stream") and status == 200:
+        out = sse(out)
+    return body, status, out
+
+
+def by_index(choices: list) -> list:
+    assert sorted(c["index"] for c in choices) == list(range(len(choices))), [c["index"] for c in choices]
+    return sorted(choices, key=lambda c: c["index"])
+
+
+def stream_parts(chunks: list, chat: bool = False, continuous: bool = False) -> tuple[dict, dict | None]:
+    """SSE chunks -> ({choice index: concatenated text}, the usage chunk or None). The usage chunk
+    has empty choices and comes last; no other chunk carries usage unless continuous stats asked."""
+    texts, usage = {}, None
+    for i, chunk in enumerate(chunks):
+        if not chunk["choices"]:
+            assert chunk.get("usage") and i == len(chunks) - 1, f"only the last chunk has no choices: {chunk}"
+            usage = chunk["usage"]
+        else:
+            assert continuous or chunk.get("usage") is None, f"usage on a chunk with choices: {chunk}"
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + ((c["delta"].get("content") if chat else c["text"]) or "")
+    return texts, usage
+
+
+def chat_prompt_ids(llm, messages) -> list[int]:
+    """The chat template's ids; content given as a list of text parts means their concatenation."""
+    flat = [{**m, "content": "".join(p["text"] for p in m["content"]) if isinstance(m["content"], list)
+             else m["content"]} for m in messages]
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(flat, add_generation_prompt=True),
+                                allow_special=True)
+
+
 # ----------------------------------------------------------------------------
 # The API
 # ----------------------------------------------------------------------------
@@ -300,6 +368,10 @@ def test_streaming_concatenates_to_the_full_answer(server):
             "include_usage": True, "continuous_usage_stats": True}})
         counts = [c["usage"]["completion_tokens"] for c in sse(payload)]
         assert counts == sorted(counts) and counts[-1] == full["usage"]["completion_tokens"]
+        # ... only together with include_usage, as in vLLM: alone, it adds usage nowhere
+        status, payload = request(server, "POST", path, {**body, "stream": True,
+                                                         "stream_options": {"continuous_usage_stats": True}})
+        assert status == 200 and all(c["choices"] and "usage" not in c for c in sse(payload)), payload[-300:]
     # n = 3 samples (seeded: the same as unstreamed), finishing at different steps: each choice's
     # deltas add up to its text and its finish_reason is sent once, after which it is never sent again
     body = {"prompt": "Once upon", "max_tokens": 12, "temperature": 1.0, "seed": 3, "n": 3, "stop": ["e"]}
@@ -511,6 +583,203 @@ def test_models_health_metrics_on_one_keep_alive_connection(server):
     assert values["nanoinfer_time_to_first_token_seconds_count"] >= 1
     assert values['nanoinfer_time_to_first_token_seconds_bucket{le="+Inf"}'] == \
         values["nanoinfer_time_to_first_token_seconds_count"]
+
+
+# ----------------------------------------------------------------------------
+# The clients people use: the exact bodies they sent, replayed
+# ----------------------------------------------------------------------------
+# lm-evaluation-harness 0.4.13, guidellm 0.8.1, the openai client and `vllm bench serve`'s request
+# shapes, recorded from real runs (python -m support.clients runs the tools themselves; docs/SERVING.md).
+
+
+@pytest.mark.needs("engine")
+def test_lm_eval_loglikelihood_bodies(server, offline, served_name):
+    """lm-eval scores a choice from `prompt` = a list of token-id lists, `echo`, `logprobs: 1`,
+    `max_tokens: 1`: one choice per prompt, matched by `index`; tokens / token_logprobs /
+    top_logprobs / text_offset over the prompt AND the generated token (it drops the last entry
+    blindly); the first is null, every other a dense forward pass's log_softmax, equal to LLM's
+    prompt_logprobs; the best of top_logprobs is that position's maximum (its is_greedy)."""
+    for rec in recorded("lm_eval_loglikelihood"):
+        body, status, out = replay(server, rec, served_name)
+        assert status == 200, out
+        prompts = body["prompt"]
+        choices = by_index(out["choices"])
+        assert len(choices) == len(prompts)
+        ref = offline.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1))
+        for ids, choice, r in zip(prompts, choices, ref):
+            lp, n = choice["logprobs"], len(ids)
+            assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == \
+                len(lp["text_offset"]) == n + 1, "echo + 1 generated token: one entry per token"
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            dense = dense_logprobs(offline, ids + r.token_ids)
+            want = [dense[j - 1, ids[j]].item() for j in range(1, n)] + [dense[n - 1].max().item()]
+            assert lp["token_logprobs"][1:] == pytest.approx(want, abs=TOL)
+            assert [p for p, _ in r.prompt_logprobs[1:]] == pytest.approx(lp["token_logprobs"][1:n], abs=TOL)
+            best = [dense[j - 1].max().item() for j in range(1, n + 1)]
+            assert [max(t.values()) for t in lp["top_logprobs"][1:]] == pytest.approx(best, abs=TOL)
+            assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:]), "logprobs: 1 -> the best (+ the token)"
+            # lm-eval's is_greedy compares floats exactly: a token that IS the best must equal it
+            for j in range(1, n):
+                if dense[j - 1].argmax().item() == ids[j]:
+                    assert lp["token_logprobs"][j] == max(lp["top_logprobs"][j].values())
+            prompt_text = offline.tokenizer.decode(ids)
+            assert choice["text"] == prompt_text + r.text, "echo: the prompt's text, then the generated text"
+            assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert out["usage"]["prompt_tokens"] == sum(map(len, prompts))
+        assert out["usage"]["completion_tokens"] == len(prompts)
+
+
+@pytest.mark.needs("engine")
+def test_echo_logprobs_keep_the_generated_token_even_when_it_is_eos(tiny_path):
+    """lm-eval sums token_logprobs[ctxlen:-1]: it drops the last entry blindly, as the one
+    generated token. So that token must be there even when it is EOS, which ends the text and
+    adds none. EOS is forced with the logits: its LM-head row (tied to its embedding; EOS is in
+    no prompt) becomes twice the greedy token's, so EOS wins that position (the greedy logit > 0)."""
+    llm = LLM(tiny_path, device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 22)
+    tok, eos = llm.tokenizer, llm.tokenizer.eos_token_id
+    ctx = tok.encode("Question: What is the capital of France?\nAnswer:")
+    prompts = [ctx + tok.encode(" Paris"), ctx + tok.encode(" Rome")]
+    last = dense_logprobs(llm, prompts[0])[-1]
+    greedy = last.argmax().item()
+    with torch.no_grad():
+        w = llm.model.lm_head.weight                                         # [V, dim]
+        w[eos] = 2 * w[greedy]
+    dense = [dense_logprobs(llm, p + [eos]) for p in prompts]
+    assert dense[0][len(prompts[0]) - 1].argmax().item() == eos, "EOS is not forced: pick another prompt"
+    body = {"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0, "seed": 1234}
+    try:
+        with serving(llm) as srv:
+            status, out = request(srv, "POST", "/v1/completions", body)
+            assert status == 200, out
+            assert wait_all_free(llm)
+    finally:
+        llm.close()
+    choices = by_index(out["choices"])
+    c, lp = choices[0], choices[0]["logprobs"]
+    assert c["finish_reason"] == "stop" and c["text"] == tok.decode(prompts[0]), "EOS ends the text, adds none"
+    assert lp["tokens"][-1] == tok.id_to_special[eos] and len(lp["token_logprobs"]) == len(prompts[0]) + 1
+    assert lp["token_logprobs"][-1] == pytest.approx(dense[0][len(prompts[0]) - 1, eos].item(), abs=TOL)
+    for p, choice, d in zip(prompts, choices, dense):       # what lm-eval computes, from either choice
+        lps = choice["logprobs"]["token_logprobs"]
+        assert len(lps) == len(p) + 1 and out["usage"]["completion_tokens"] == 2
+        want = sum(d[j - 1, p[j]].item() for j in range(len(ctx), len(p)))
+        assert sum(lps[len(ctx):-1]) == pytest.approx(want, abs=TOL)
+
+
+@pytest.mark.needs("engine")
+def test_lm_eval_generate_bodies(server, offline, served_name):
+    """generate_until: token-id prompts, the task's stop strings plus EOS's: offline greedy text."""
+    for rec in recorded("lm_eval_generate"):
+        body, status, out = replay(server, rec, served_name)
+        assert status == 200, out
+        params = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"], stop=body["stop"],
+                                seed=body["seed"])
+        ref = offline.generate(body["prompt"], params)
+        choices = by_index(out["choices"])
+        assert [c["text"] for c in choices] == [r.text for r in ref]
+        assert [c["finish_reason"] for c in choices] == [r.finish_reason for r in ref]
+
+
+@pytest.mark.needs("engine")
+def test_lm_eval_chat_body(server, offline, served_name):
+    for rec in recorded("lm_eval_chat"):
+        body, status, out = replay(server, rec, served_name)
+        assert status == 200, out
+        prompt = offline.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
+        ref = offline.generate(prompt, SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
+                                                      stop=body["stop"], seed=body["seed"]))[0]
+        assert out["choices"][0]["message"]["content"] == ref.text
+
+
+@pytest.mark.needs("engine")
+def test_lm_eval_remote_tokenizer_endpoints(server, offline, served_name):
+    """lm-eval's tokenizer auto-detection: /tokenizer_info, then /tokenize for every context."""
+    tok = offline.tokenizer
+    eos = tok.id_to_special[tok.eos_token_id]
+    for rec in recorded("lm_eval_remote_tokenizer"):
+        body, status, out = replay(server, rec, served_name)
+        assert status == 200, out
+        if rec["path"] == "/tokenizer_info":
+            assert out["eos_token"] == eos and isinstance(out.get("chat_template"), str), out
+        else:
+            assert out["tokens"] == tok.encode(body["prompt"]) and out["count"] == len(out["tokens"]), out
+    # what lm-eval's RemoteTokenizer sends next: eos_token_id = /tokenize(eos)[0]; decode = /detokenize
+    status, out = request(server, "POST", "/tokenize", {"prompt": eos, "add_special_tokens": False})
+    assert status == 200 and out["tokens"] == [tok.eos_token_id], out
+    ids = tok.encode("Question: What is the capital of France?\nAnswer: Paris")
+    status, out = request(server, "POST", "/detokenize", {"tokens": ids})
+    assert status == 200 and out["prompt"] == tok.decode(ids), out
+
+
+@pytest.mark.needs("engine", "sse-stream")
+def test_guidellm_bodies(server, offline, served_name):
+    """guidellm: content as text parts, max_completion_tokens, ignore_eos, include_usage with
+    continuous_usage_stats; it sends no temperature (sampled): the checks are the token counts."""
+    for name in ("guidellm_chat", "guidellm_completions"):
+        for rec in recorded(name):
+            body, status, out = replay(server, rec, served_name)
+            assert status == 200, out
+            if rec["method"] == "GET":
+                continue
+            chat = "messages" in body
+            ids = chat_prompt_ids(offline, body["messages"]) if chat else offline.tokenizer.encode(body["prompt"])
+            if body.get("stream"):
+                continuous = body.get("stream_options", {}).get("continuous_usage_stats")
+                texts, usage = stream_parts(out, chat, continuous)
+                assert list(texts) == [0] and usage is not None, "include_usage: the usage chunk comes last"
+                if continuous:         # vLLM's: every chunk carries the counts so far, rising to the last
+                    counts = [c["usage"]["completion_tokens"] for c in out]
+                    assert counts == sorted(counts) and counts[-1] == usage["completion_tokens"]
+            else:
+                usage = out["usage"]
+            assert usage["completion_tokens"] == body.get("max_completion_tokens", body.get("max_tokens")), \
+                "ignore_eos: every requested token is generated"
+            assert usage["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.needs("engine", "sse-stream")
+def test_vllm_bench_serve_bodies(server, offline, served_name):
+    """vLLM's benchmark (temperature 0.0, repetition_penalty 1.0, ignore_eos): greedy text equal
+    to offline, the usage chunk last."""
+    for name in ("vllm_openai", "vllm_openai_chat"):
+        for rec in recorded(name):
+            body, status, out = replay(server, rec, served_name)
+            assert status == 200, out
+            chat = "messages" in body
+            ids = chat_prompt_ids(offline, body["messages"]) if chat else offline.tokenizer.encode(body["prompt"])
+            n = body.get("max_completion_tokens", body.get("max_tokens"))
+            ref = offline.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True))[0]
+            texts, usage = stream_parts(out, chat)
+            assert texts == {0: ref.text}
+            assert usage == {**usage, "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+
+
+@pytest.mark.needs("engine", "sse-stream")
+def test_openai_client_bodies(server, offline, served_name):
+    reqs = recorded("openai_client")
+    _, status, out = replay(server, reqs[0], served_name)                  # GET /v1/models
+    assert status == 200 and out["data"][0]["id"] == served_name
+    body, status, out = replay(server, reqs[1], served_name)               # a plain completion
+    ref = offline.generate(body["prompt"], SamplingParams(max_tokens=body["max_tokens"]))[0]
+    assert status == 200 and out["choices"][0]["text"] == ref.text
+    body, status, out = replay(server, reqs[2], served_name)               # list prompt, echo, logprobs, stream
+    assert status == 200
+    texts, usage = stream_parts(out)
+    refs = offline.generate(body["prompt"], SamplingParams(max_tokens=body["max_tokens"]))
+    assert texts == {i: p + r.text for i, (p, r) in enumerate(zip(body["prompt"], refs))}, "echo: prompt first"
+    assert usage["completion_tokens"] == sum(len(r.token_ids) for r in refs)
+    body, status, out = replay(server, reqs[3], served_name)               # chat logprobs + top_logprobs
+    assert status == 200, out
+    ids = chat_prompt_ids(offline, body["messages"])
+    ref = offline.generate(ids, SamplingParams(max_tokens=body["max_completion_tokens"],
+                                               logprobs=body["top_logprobs"]))[0]
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx([lp for lp, _ in ref.outputs[0].logprobs], abs=TOL)
+    assert all(len(c["top_logprobs"]) == body["top_logprobs"] for c in content)
+    body, status, out = replay(server, reqs[4], served_name)               # a stream WITHOUT include_usage
+    assert status == 200
+    assert all(chunk["choices"] and chunk.get("usage") is None for chunk in out), \
+        "no usage chunk unless stream_options.include_usage asks for it (OpenAI's rule)"
 
 
 def concurrent_clients(server, offline, clients: int, lengths) -> None:
