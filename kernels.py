@@ -52,11 +52,11 @@ def on_cuda(device) -> bool:
 def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_lens=None):
     """Each of B sequences has up to Q new queries; all attend at once. q: [B, Q, H, d]
     (real queries first), block_tables [B, W], seq_lens [B] (tokens in cache, new ones
-    included), query_lens [B] real queries (None: all Q). Query i of b sits at position
-    seq_lens[b] - query_lens[b] + i and sees keys 0..position; a padded query gets the
-    last real position (a finite softmax, dropped by the caller). Keys past seq_lens are
-    masked: tables may be padded with any valid block id. Returns [B, Q, H, d]: cache.py's
-    masked softmax(q k^T / sqrt(d)) v in PyTorch's fused attention (enable_gqa: query
+    included), query_lens [B] real queries (None: all Q). Query i of b sits at position p =
+    seq_lens[b] - query_lens[b] + i and sees keys 0..p (p-W+1..p, W = cache.sliding_window);
+    a padded query gets the last real position (a finite softmax, dropped by the caller). Keys
+    past seq_lens are masked: tables may be padded with any valid block id. Returns [B, Q, H, d]:
+    cache.py's masked softmax(q k^T / sqrt(d)) v in PyTorch's fused attention (enable_gqa: query
     head h reads KV head h // G without a copy of K, V per head; CUDA: grouped_attention)."""
     # assignment: decode-attention
     B, Q, H, d = q.shape
@@ -70,6 +70,8 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
         q_pos = seq_lens[:, None] - query_lens[:, None] + i
         q_pos = torch.minimum(q_pos, seq_lens[:, None] - 1)                      # padding: last real position
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
+    if cache.sliding_window:            # Mistral: only the last W, k > q - W (model.in_window): a band mask
+        visible &= torch.arange(T, device=q.device) > q_pos[:, :, None] - cache.sliding_window
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None],
                                          enable_gqa=True) if not on_cuda(q.device) else \
         grouped_attention(q, k, v, visible)           # CUDA: a mask AND enable_gqa reach no fused kernel
@@ -131,7 +133,7 @@ class StepContext:
 # --- The compiled path's attention: the paged cache read where it lies --------
 def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
     """batched_paged_attention's function for torch.compile, in float32. q: [B, Q, H, d];
-    block_tables: [B, W]; q_pos: [B, Q], each query's position: it sees keys 0..q_pos.
+    block_tables: [B, W]; q_pos: [B, Q], each query's position: it sees keys 0..q_pos (a window: the last W).
 
     Why: SDPA takes K, V as tensors, so batched_paged_attention first COPIES the
     blocks into a padded [B, T, n_kv, d] tensor: the batch's whole context written
@@ -147,6 +149,8 @@ def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
     # G innermost: the G heads sharing a K row are neighbours, so the row is loaded once.
     scores = (qg * k).sum(-1) / math.sqrt(d)                     # [B, Q, T, n_kv, G]
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
+    if cache.sliding_window:                                     # Mistral's window (an int: a trace constant)
+        visible &= torch.arange(T, device=q.device) > q_pos[:, :, None] - cache.sliding_window
     visible = visible[..., None, None]                                               # [B, Q, T, 1, 1]
     p = scores.masked_fill(~visible, float("-inf")).softmax(dim=2)
     # Masked keys weigh exactly 0, but 0 * NaN is NaN: a block past a sequence's end

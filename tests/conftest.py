@@ -290,6 +290,8 @@ SLOW_TESTS = {
     "tests/test_kernels.py::test_cuda_graph_engine_gives_the_eager_tokens": 300,
     "tests/test_kernels.py::test_compiled_steps_through_aot_autograd_alone_equal_eager": 300,
     "tests/test_kernels.py::test_cuda_graph_simulator_catches_a_broken_decoder": 300,
+    "tests/test_kernels.py::test_windowed_engine_gives_the_dense_windowed_tokens": 300,     # compiles
+    "tests/test_kernels.py::test_windowed_engine_holds_a_long_sequence_in_17_blocks": 300,  # ~500 steps
     "tests/test_quantize.py::test_int8_linear_compiled_equals_linear_on_dequantized_weight": 300,
     "tests/test_parallel.py::test_real_model_n3_greedy_tokens_equal_unsharded": 300,       # worker processes
     "tests/test_parallel.py::test_engine_n2_equals_n1_batched_chunked_preempted": 300,

@@ -282,8 +282,17 @@ BUGS = [
 
     # ------------------------------------------------------------ decode-attention (kernels.py)
     Bug("decode-attention", "kernels.py", "key mask off by one: a query does not see its own token",
-        "visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]\n    out",
-        "visible = torch.arange(T, device=q.device)[None, None, :] < q_pos[:, :, None]\n    out"),
+        "visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]\n"
+        "    if cache.sliding_window:            # Mistral",
+        "visible = torch.arange(T, device=q.device)[None, None, :] < q_pos[:, :, None]\n"
+        "    if cache.sliding_window:            # Mistral"),
+    Bug("decode-attention", "kernels.py", "sliding window off by one: W + 1 positions (k >= q - W)",
+        "> q_pos[:, :, None] - cache.sliding_window\n    out", ">= q_pos[:, :, None] - cache.sliding_window\n    out"),
+    Bug("decode-attention", "kernels.py", "the compiled path's window off by one (k >= q - W)",
+        "> q_pos[:, :, None] - cache.sliding_window\n    visible = visible[..., None, None]",
+        ">= q_pos[:, :, None] - cache.sliding_window\n    visible = visible[..., None, None]"),
+    Bug("decode-attention", "kernels.py", "on CUDA, SDPA still gets a mask AND enable_gqa (math backend)",
+        "enable_gqa=True) if not on_cuda(q.device) else \\", "enable_gqa=True) if True else \\"),
     Bug("decode-attention", "kernels.py", "ragged queries: positions from the padded Q, not each sequence's query_lens",
         "q_pos = seq_lens[:, None] - query_lens[:, None] + i", "q_pos = seq_lens[:, None] - Q + i"),
     Bug("decode-attention", "kernels.py", "K/V heads tiled (h % n_kv) instead of grouped (h // G)",

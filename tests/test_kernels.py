@@ -11,6 +11,11 @@ To pass, implement:
     fuses the gather into its reductions (no copy of the blocks); equal to the
     reference eagerly and compiled, for plain and int8 caches and ragged
     query lengths;
+  * a sliding window (cache.sliding_window = W, Mistral's): in every path above, a query at
+    position p sees keys p-W+1..p only (a band mask; freed table entries point at the null
+    block, which the mask hides), equal to model.dense_causal_attention(window=W); an engine
+    with a window (eager, compiled, CUDA graphs) gives the dense windowed model's greedy tokens,
+    and a 4,096-token sequence with W = 256 holds at most 17 blocks of 16;
   * StepInputs + StepContext: any mix of prefill chunks (with or without a
     cached prefix), decodes and k+1-token verifications in one step, as a few
     query-length groups, equal to cache.paged_attention;
@@ -205,6 +210,79 @@ def test_mixed_step_equals_reference(block_size, n_heads, n_kv, seed):
         assert positions.tolist() == [p for _, t, s in work for p in range(s, s + len(t))]
         for sid, _, _ in work:
             bm.free(sid)
+
+
+# ----------------------------------------------------------------------------
+# Sliding-window attention (Mistral): every path masks by cache.sliding_window
+# ----------------------------------------------------------------------------
+WINDOW_CASES = [(4, 6, 2, 5), (1, 4, 4, 3), (16, 8, 2, 20), (8, 9, 3, 16)]   # block size, heads, KV heads, W
+
+
+def _windowed_step(step, seqs, done, bm, inputs, cache):
+    """Run one step (sequence, tokens fed) of the sequences' own q, k, v [T, heads, d] through every
+    attention path of kernels.py: StepContext on the CPU (SDPA) and on "CUDA" (grouped_attention;
+    it writes the same k, v again), then paged_attention_in_place on the padded batch."""
+    import kernels
+    for s, n in step:
+        bm.reserve(s, done[s], n)                       # frees what left the window: the null block
+    _, positions, ctx = inputs.device(inputs.host([(s, [0] * n, done[s]) for s, n in step]), cache)
+    q, k, v = (torch.cat([seqs[s][j][done[s]:done[s] + n] for s, n in step]) for j in range(3))
+    outs = {"cpu": ctx.attend(0, q, k, v)}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kernels, "on_cuda", lambda device: True)
+        outs["cuda"] = ctx.attend(0, q, k, v)
+    starts, lens = torch.tensor([done[s] for s, _ in step]), torch.tensor([n for _, n in step])
+    i = torch.arange(int(lens.max()))
+    q_pos, real = starts[:, None] + torch.minimum(i, lens[:, None] - 1), i < lens[:, None]     # [B, Q]
+    padded_q = q.new_zeros(*real.shape, *q.shape[1:])
+    padded_q[real] = q
+    width = max(len(bm.tables[s]) for s, _ in step)
+    tables = torch.tensor([bm.tables[s] + [bm.null_block] * (width - len(bm.tables[s])) for s, _ in step])
+    outs["in place"] = paged_attention_in_place(padded_q, cache, 0, tables, q_pos)[real]
+    return outs, any(g.index is None for g in ctx.groups)
+
+
+@pytest.mark.parametrize("block_size,n_heads,n_kv,W", WINDOW_CASES)
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("gqa-attention", "sliding-window", "kv-cache-bytes", "block-allocation", "int8")
+def test_windowed_attention_equals_dense_windowed_reference(block_size, n_heads, n_kv, W):
+    """A window W (cache.sliding_window): each query sees its last W positions in every path, the
+    eager step on CPU and on CUDA and the compiled path's formulation, plain and int8 caches, over
+    steps that mix prefill chunks, decodes and ragged k+1-token verifications, through tables whose
+    freed entries point at the null block (junk here: only the mask hides it). The reference is
+    model.dense_causal_attention(window=W) over each whole sequence (int8: K, V as stored)."""
+    from model import dense_causal_attention
+    from quantize import dequantize_int8, quantize_int8
+    for cache_cls in (KVCache, Int8KVCache):
+        rng, g = random.Random(W * 100 + block_size), torch.Generator().manual_seed(W)
+        cfg = tiny_config(n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, sliding_window=W)
+        lens = [(rng.randint(1, 24), rng.randint(W + 6, W + 30)) for _ in range(5)]      # (prompt, total)
+        pool = sum(-(-t // block_size) for _, t in lens) + 1
+        bm = BlockManager(pool, block_size, enable_prefix_caching=False, sliding_window=W)
+        cache = cache_cls(cfg, pool, block_size, "cpu", torch.float32)
+        for t in cache.pools():
+            t[:, bm.null_block] = 100                   # K = V = 100 (int8: x a scale of 100)
+        seqs = [[torch.randn(t, h, cfg.head_dim, generator=g) for h in (n_heads, n_kv, n_kv)] for _, t in lens]
+        stored = [(k, v) if cache_cls is KVCache else (dequantize_int8(*quantize_int8(k)),
+                                                       dequantize_int8(*quantize_int8(v))) for _, k, v in seqs]
+        inputs, done, freed, uniform = StepInputs(bm, "cpu"), [0] * len(lens), 0, False
+        for s, (prompt, _) in enumerate(lens):
+            bm.allocate(s, [0] * prompt)
+        while any(d < t for d, (_, t) in zip(done, lens)):
+            step = [(s, min(t - done[s], rng.randint(1, 16) if done[s] < p else rng.choice([1, 1, 2, 4])))
+                    for s, (p, t) in enumerate(lens) if done[s] < t and rng.random() < 0.9]
+            if not step:
+                continue
+            outs, fast = _windowed_step(step, seqs, done, bm, inputs, cache)
+            ref = torch.cat([dense_causal_attention(seqs[s][0][:done[s] + n], *(x[:done[s] + n] for x in stored[s]),
+                                                    window=W)[done[s]:] for s, n in step])
+            for path, out in outs.items():
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
+                                           msg=lambda m, p=path: f"{cache_cls.__name__}, {p}, step {step}: {m}")
+            for s, n in step:
+                done[s] += n
+            freed, uniform = freed + sum(bm.tables[s].count(bm.null_block) for s, _ in step), uniform or fast
+        assert freed and uniform, "the steps freed blocks out of the window and had a decode-only step"
 
 
 def test_buckets():
@@ -701,6 +779,81 @@ def test_cuda_attention_reaches_a_fused_kernel(block_size, n_heads, n_kv, Q, mon
         assert not (mask and gqa), "a boolean mask together with GQA: no fused CUDA kernel takes both"
         assert math_on == (not strict) and flash_on, f"STRICT_SDPA={strict}: math backend on: {math_on}"
     assert len(calls) == 2
+
+
+# Sliding-window attention through the engine (the kernels above: test_windowed_attention_...)
+def mistral_checkpoint(directory, window: int) -> str:
+    """A tiny random model saved as a Mistral checkpoint: config.json names its sliding_window."""
+    import json
+    import os
+
+    from conftest import save_checkpoint
+    path = save_checkpoint(tiny_model(seed=0, sliding_window=window), directory)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("engine", "sliding-window", "gqa-attention", "ngram-drafter", "rejection-sampling")
+def test_windowed_engine_gives_the_dense_windowed_tokens(tmp_path):
+    """A Mistral checkpoint with sliding_window 8, in blocks of 4 (the sequences outrun the window:
+    blocks are freed, preemptions may recompute): the eager engine gives model.generate's greedy
+    tokens (the dense path, no cache, the window); so does compile=True with n-gram drafts verified
+    in k + 1 = 4-token steps on the simulated CUDA path (CUDA graphs; prefill through grouped_attention)."""
+    from cuda_sim import simulate_cuda
+    from model import generate
+    W = 8
+    path = mistral_checkpoint(tmp_path, W)
+    prompts = [[5, 6, 7, 8] * 5, list(range(100, 110)) * 3, [42] * 5, [9, 8, 7, 6, 1, 2, 3, 4, 5]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 12, 16, 24)]
+    dense = [generate(tiny_model(seed=0, sliding_window=W), p, sp.max_tokens) for p, sp in zip(prompts, params)]
+    assert dense[3] != generate(tiny_model(seed=0), prompts[3], 24), "the window must change the tokens"
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=2, kv_cache_bytes=1 << 15, block_size=4)
+    eager = LLM(path, **kw)
+    assert eager.cache.sliding_window == eager.block_manager.sliding_window == W, "config.json's window"
+    assert _run_staggered(eager, prompts, params) == dense, "the eager engine's window differs from the model's"
+    with simulate_cuda() as sim:
+        llm = LLM(path, compile=True, speculative="ngram", num_speculative_tokens=3, **kw)
+        outs = _run_staggered(llm, prompts, params)
+    assert outs == dense, "the compiled (CUDA-graph) engine's window differs from the model's"
+    assert llm.decoder.steps[1] > 0 and llm.decoder.steps[4] > 0 and sim.replays == sum(llm.decoder.steps.values())
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks - 1 and bm.ref_count[bm.null_block] == 1, "all back but the null block"
+
+
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("engine", "sliding-window", "gqa-attention")
+def test_windowed_engine_holds_a_long_sequence_in_17_blocks():
+    """The Goal, on the preset random:smollm2-tiny:sliding_window=256: a sequence of 4,096 tokens in
+    blocks of 16 (a 3,840-token prompt in chunks of 16, then 256 greedy decodes) holds at most
+    ceil(W / 16) + 1 = 17 blocks at every step (+ the null block), and its greedy tokens and their
+    logprobs are the dense windowed model's. The reference is model.forward without a cache
+    (dense_causal_attention(window=W)) on the engine's tokens (teacher forcing: each token must be
+    the argmax given those before, so by induction a dense generation's tokens). With L layers the
+    logit at p depends on tokens p - L(W - 1)..p alone: the pass starts L(W - 1) tokens back, not at 0."""
+    W, bs, P, T = 256, 16, 3840, 4096
+    llm = LLM(f"random:smollm2-tiny:sliding_window={W}", device="cpu", dtype="float32", block_size=bs,
+              kv_cache_bytes=(T // bs + 4) * bs * 512, max_num_batched_tokens=bs)     # 512 B per token
+    prompt = torch.randint(0, 49152, (P,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm.add_request(prompt, SamplingParams(max_tokens=T - P, ignore_eos=True, logprobs=0))
+    bm, most, out = llm.block_manager, 0, None
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            out = o
+        most = max([most] + [len(t) - t.count(bm.null_block) for t in bm.tables.values()])
+        assert bm.num_blocks - bm.num_free_blocks <= 17 + 1, "the pool holds more than 17 blocks + the null block"
+    assert most == 17 and out.finished and len(out.token_ids) == T - P
+    ids, lo = prompt + out.token_ids, P - 1 - llm.config.n_layers * (W - 1)
+    with torch.inference_mode():
+        logits = llm.model(torch.tensor(ids[lo:-1]), torch.arange(lo, T - 1))[P - 1 - lo:]   # predict ids[P:]
+    assert logits.argmax(-1).tolist() == out.token_ids, "greedy tokens differ from the dense windowed model's"
+    logprobs = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).flatten()
+    engine = torch.tensor([lp for lp, _ in out.outputs[0].logprobs])                  # (logprob, top-0)
+    torch.testing.assert_close(engine, logprobs, atol=1e-4, rtol=0)
 
 
 @pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
