@@ -22,6 +22,10 @@ bound the lecture predicts next to the measurement:
                         half streaming; throughput, TTFT and TPOT p50/p99, the rate where latency turns up
   tensor-parallel       decode steps with the model split over N processes (measured: step time and
                         all-reduce time), and the lecture's arithmetic for 8B and 70B on 1-8 GPUs
+  kv-compression        MHA vs GQA vs MQA of one preset (random:<preset>:kv_heads=N): KV bytes per token
+                        (formula and allocated pool), the batch a fixed budget holds, the decode step and
+                        its KV share; published models' arithmetic (GQA, MLA, a 4k window); and KV blocks
+                        in use against length, full attention vs a sliding window
 
     python bench.py                      # everything, best device (see "The scale" below)
     python bench.py --quick              # a smoke run of every experiment (1-2 min on a 2-core CPU,
@@ -32,11 +36,12 @@ bound the lecture predicts next to the measurement:
     python bench.py --check --device cpu --model random:smollm2-tiny   # its dry run (CI, < 30 s)
 
 Pictures. Every experiment where a picture says more than its table
-(roofline, batching, kv-cache, speculative, serving, quantization) writes a
-PNG titled with its lesson, the device, the model and the date: into the
-folder beside --json (results/x.json -> results/x/), or --plots DIR, or
-./bench-plots; --no-plots writes none. They are drawn from the results dict
-alone (plot_* below), so a results file can be re-plotted without a model.
+(roofline, batching, kv-cache, speculative, serving, quantization,
+kv-compression) writes a PNG titled with its lesson, the device, the model
+and the date: into the folder beside --json (results/x.json -> results/x/),
+or --plots DIR, or ./bench-plots; --no-plots writes none. They are drawn
+from the results dict alone (plot_* below), so a results file can be
+re-plotted without a model.
 
 Honest comparisons. In float32 every path of this engine gives exactly the
 dense path's greedy tokens, and the tables say "same tokens". In bf16 each
@@ -94,7 +99,7 @@ from parallel import (NVLINK_H100_SXM, PCIE_GEN5_X16, TensorParallelError, Tenso
                       check_tensor_parallel, tensor_parallel_cost)
 from kernels import batched_paged_attention, dynamic, layer_cache, paged_attention_in_place, size_oblivious
 from quantize import FUSED_ROWS, Int8KVCache, Int8Linear, decode_weight_bytes, quantize_model
-from scheduler import LLM, SamplingParams
+from scheduler import LLM, SamplingParams, make_kv_pool
 from serve import make_server
 from support.checkpoint import PRESETS, RANDOM_PREFIX, parse_random_path
 from support.checks import resolve_device_dtype
@@ -133,7 +138,9 @@ CPU_POOL = 1 << 30
 #   overhead              ~20 s  tiny + 8B at batch 1..256, 22 steps and 22 forward passes each
 #   serving               ~60 s  32 users all at once (~5 s), then Poisson at 1/4..3/2 of that capacity
 #   tensor-parallel       ~30 s  one GPU: N = 1, 3 on the host CPU with gloo (135M); arithmetic instant
-# Sum ~460 s, plus engine start-ups (random weights are made on the device: < 1 s each).
+#   kv-compression        ~60 s  three 1B engines held at once (2.5 GB of weights + a 4.3 GB pool each), 8 x 4k
+#                                prefills, 12 steps each; 2 x 4096 steps of the tiny model (engine overhead)
+# Sum ~520 s, plus engine start-ups (random weights are made on the device: < 1 s each).
 
 
 @functools.lru_cache(maxsize=None)
@@ -1445,14 +1452,265 @@ def exp_tensor_parallel(b: Bench):
 
 
 # ----------------------------------------------------------------------------
+# KV compression: fewer KV heads, and a sliding window (the lecture's chapter 6)
+# ----------------------------------------------------------------------------
+# At long contexts the cache, not the weights, fills the memory and the decode step:
+#   KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value.
+# MHA caches K and V of every query head, GQA one pair per group of query heads, MQA one
+# pair for all: `random:<preset>:kv_heads=N` is the same body (every other tensor the same)
+# with N KV heads. A sliding window (Mistral) bounds what a query sees, so the block manager
+# gives back the blocks behind it: the cache becomes O(window) instead of O(length).
+
+KV_LECTURE_PRESET = "llama-3.2-1b"   # 32 query heads: MHA = 32 KV heads, GQA-8 as published, MQA = 1
+KV_BLOCK = 16                        # the engine's default block size
+LONG_CONTEXT = 128 * 1024            # the published models' arithmetic: KV bytes at a 128k-token context
+
+# The lecture's arithmetic for published models, bf16 (2 bytes per value):
+# (model, attention, layers, values cached per token per layer, window or None). Shapes from:
+#   Llama-2-70B: Touvron et al. 2023, "Llama 2" (arXiv:2307.09288), and meta-llama/Llama-2-70b-hf's
+#     config.json: 80 layers, 64 query heads of 128 dims, 8 KV heads; "MHA" is that body with 64 KV heads.
+#   DeepSeek-V2: DeepSeek-AI 2024 (arXiv:2405.04434), section 2.1 and appendix B: 60 layers, 128 heads of
+#     128 dims; MLA caches the compressed latent c_KV (d_c = 512) and the shared RoPE key (d_h^R = 64):
+#     576 values per token per layer, against 2 x 128 x 128 for MHA over its 128 heads.
+#   Mistral-7B-v0.1: Jiang et al. 2023 (arXiv:2310.06825) and its config.json: 32 layers, 8 KV heads of
+#     128 dims, sliding_window 4096 in every layer (a local layer holds at most its last 4096 tokens).
+PUBLISHED_KV = [("Llama-2-70B", "MHA (64 KV heads)", 80, 2 * 64 * 128, None),
+                ("Llama-2-70B", "GQA-8 (published)", 80, 2 * 8 * 128, None),
+                ("DeepSeek-V2", "MHA (128 heads x 128 dims)", 60, 2 * 128 * 128, None),
+                ("DeepSeek-V2", "MLA (published): 512 latent + 64 RoPE", 60, 576, None),
+                ("Mistral-7B", "GQA-8, full attention", 32, 2 * 8 * 128, None),
+                ("Mistral-7B", "GQA-8, 4k window (published)", 32, 2 * 8 * 128, 4096)]
+
+
+def kv_variants(preset: str) -> list:
+    """[(name, kv_heads)] of a preset: MHA (a KV head per query head), its published GQA, MQA (one)."""
+    cfg, _ = model_config(RANDOM_PREFIX + preset)
+    names = {1: "MQA", cfg.n_heads: "MHA"}
+    return [(names.get(kv, f"GQA-{kv}"), kv) for kv in sorted({cfg.n_heads, cfg.n_kv_heads, 1}, reverse=True)]
+
+
+def fit_batch(bm: BlockManager, context: int) -> int:
+    """The most sequences of `context` tokens a pool holds, by the engine's own block accounting:
+    admitted one by one as the scheduler admits them (can_append, then reserve) until the next one
+    does not fit; then all given back."""
+    n = 0
+    while True:
+        sid = -1 - n                         # negative ids never collide with the engine's own
+        bm.allocate(sid, [])
+        if not bm.can_append(sid, 0, context):
+            bm.free(sid)
+            break
+        bm.reserve(sid, 0, context)
+        n += 1
+    for i in range(n):
+        bm.free(-1 - i)
+    return n
+
+
+def _kv_budget(b: Bench, preset: str, batch: int, context: int) -> int:
+    """The fixed KV budget: exactly `batch` sequences of `context` tokens of the preset's MHA variant."""
+    cfg, _ = model_config(f"{RANDOM_PREFIX}{preset}:kv_heads={kv_variants(preset)[0][1]}")
+    return kv_cache_bytes(cfg, b.torch_dtype, batch * math.ceil(context / KV_BLOCK) * KV_BLOCK)
+
+
+def _kv_row(name: str, cfg, dtype, cache, bm: BlockManager, context: int) -> dict:
+    """A variant's bytes per token (the formula, and the pool actually allocated) and the batch that fits."""
+    tokens = cache.num_blocks * cache.block_size
+    return {"name": name, "kv_heads": cfg.n_kv_heads,
+            # the lecture's formula, written out: K and V, every layer, every KV head, head_dim values each
+            "kv_bytes_per_token": 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize,
+            "pool_bytes": cache.total_bytes, "pool_tokens": tokens, "pool_bytes_per_token": cache.total_bytes / tokens,
+            "pool_blocks": bm.num_blocks, "fit_batch": fit_batch(bm, context)}
+
+
+def _kv_accounting(b: Bench, preset: str, batch: int, context: int) -> list:
+    """The lecture-scale rows, no weights needed: each variant's pool as the engine makes it
+    (scheduler.make_kv_pool, allocated on the device) for the fixed budget, and its block manager."""
+    rows, budget = [], _kv_budget(b, preset, batch, context)
+    for name, kv in kv_variants(preset):
+        cfg, _ = model_config(f"{RANDOM_PREFIX}{preset}:kv_heads={kv}")
+        with contextlib.redirect_stdout(io.StringIO()):
+            cache, blocks = make_kv_pool(cfg, b.torch_dtype, b.device, KV_BLOCK, budget, None, 0)
+        rows.append({**_kv_row(name, cfg, b.torch_dtype, cache, BlockManager(blocks, KV_BLOCK, False), context),
+                     "model": f"{RANDOM_PREFIX}{preset}:kv_heads={kv}"})
+        del cache
+    return rows
+
+
+def _kv_timed(b: Bench, preset: str, batch: int, context: int, steps: int) -> list:
+    """Each variant as an engine with the fixed budget: its pool and fitting batch, then decode steps
+    of `batch` sequences (what the MHA variant holds) near `context` tokens, and the step's bytes.
+    The engines' steps are timed in turn, so a shared machine's noise hits every variant alike."""
+    rows, engines, budget, bw = [], [], _kv_budget(b, preset, batch, context), b.bandwidth()
+    ctx = context - steps - 8            # the warm-up and timed steps keep every sequence within `context`
+    for name, kv in kv_variants(preset):
+        path = f"{RANDOM_PREFIX}{preset}:kv_heads={kv}"
+        b.progress(f"kv-compression: {name}, prefill of {batch} x {ctx} tokens")
+        llm = b.llm(path=path, max_num_seqs=batch, kv_cache_bytes=budget)
+        rows.append({**_kv_row(name, llm.config, llm.dtype, llm.cache, llm.block_manager, context), "model": path})
+        engines.append((llm, start_decoding(llm, batch, ctx, steps), []))
+    for i in range(steps + 2):           # the first two rounds are warm-up
+        b.progress(f"kv-compression: decode steps at batch {batch}, round {i + 1}")
+        for llm, _, times in engines:
+            b.sync()
+            t0 = time.perf_counter()
+            llm.step()
+            b.sync()
+            times.append(time.perf_counter() - t0)
+    for row, (llm, ids, times) in zip(rows, engines):
+        # A decode step reads every weight once and each sequence's whole KV cache.
+        W, kv_step = decode_weight_bytes(llm.model), row["kv_bytes_per_token"] * ctx * batch
+        row.update(step_ms=statistics.median(times[2:]) * 1e3, weight_bytes=W, kv_bytes_per_step=kv_step,
+                   kv_share=kv_step / (W + kv_step), bound_ms=(W + kv_step) / bw * 1e3,
+                   preemptions=llm.scheduler.num_preemptions)
+        for rid in ids:
+            llm.abort(rid)
+    return rows
+
+
+def published_kv_arithmetic(context: int = LONG_CONTEXT) -> list:
+    """PUBLISHED_KV in bytes, bf16: per token, and the cache of one sequence of `context` tokens
+    (a window caps the tokens held at its width)."""
+    rows = []
+    for model, attention, layers, values, window in PUBLISHED_KV:
+        per_token = layers * values * 2
+        held = context if window is None else min(context, window)
+        rows.append({"model": model, "attention": attention, "layers": layers, "values_per_token_per_layer": values,
+                     "window": window, "bytes_per_token": per_token, "context": context,
+                     "tokens_held": held, "kv_bytes_at_context": per_token * held})
+    for r in rows:                       # against the first (uncompressed) row of the same model
+        first = next(x for x in rows if x["model"] == r["model"])
+        r["reduction"] = first["kv_bytes_at_context"] / r["kv_bytes_at_context"]
+    return rows
+
+
+def blocks_in_use(bm: BlockManager) -> int:
+    """Blocks holding a sequence's K/V; the null block (what freed entries point at) holds none."""
+    return bm.num_blocks - bm.num_free_blocks - (bm.null_block is not None)
+
+
+def _engine_curve(llm, tokens: int) -> tuple[list, list]:
+    """One sequence (a 1-token prompt) generating `tokens` tokens, greedy: after every step, the
+    tokens in its cache and the blocks in use, read from the engine's block manager."""
+    rid = llm.add_request([1], SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+    seq, xs, ys = llm.requests[rid].seqs[0], [], []
+    while True:
+        outs = llm.step()
+        if any(o.finished for o in outs):    # the last step finishes it and frees its blocks
+            return xs, ys
+        xs.append(seq.num_computed)
+        ys.append(blocks_in_use(llm.block_manager))
+
+
+def _scheduler_like_curve(num_blocks: int, window: int, tokens: int) -> tuple[list, list]:
+    """The same sequence through a BlockManager with the window, driven as the scheduler drives it:
+    step k reserves the slot of the token at position k - 1, then registers its full blocks."""
+    bm, ids, xs, ys = BlockManager(num_blocks, KV_BLOCK, sliding_window=window), [1], [], []
+    bm.allocate(0, ids)
+    for k in range(1, tokens + 1):
+        bm.reserve(0, k - 1, 1)
+        ids.append(2 + k % 100)              # the token the step samples (which one does not matter)
+        bm.cache_full_blocks(0, ids, k)
+        xs.append(k)
+        ys.append(blocks_in_use(bm))
+    bm.free(0)
+    return xs, ys
+
+
+def _window_curves(b: Bench, window: int, tokens: int) -> dict:
+    """KV blocks in use against generated length: full attention, then a window of `window`."""
+    out = {"model": TINY_MODEL, "window": window, "block_size": KV_BLOCK, "tokens": tokens,
+           "window_bound_blocks": math.ceil(window / KV_BLOCK) + 1}
+    for key, path in (("full", TINY_MODEL), ("windowed", f"{TINY_MODEL}:sliding_window={window}")):
+        b.progress(f"kv-compression: {tokens} tokens, {key} attention")
+        llm = b.llm(path=path, max_num_seqs=1, kv_cache_bytes=b.pool_bytes(path, tokens + 64), block_size=KV_BLOCK)
+        bm = llm.block_manager
+        if key == "windowed" and getattr(bm, "sliding_window", None) != window:
+            xs, ys = _scheduler_like_curve(bm.num_blocks, window, tokens)   # LLM does not give its BlockManager W
+            out[key + "_source"] = "a BlockManager with the window, driven as the scheduler drives it"
+        else:
+            xs, ys = _engine_curve(llm, tokens)
+            out[key + "_source"] = "the engine (LLM.step), its block manager read after every step"
+        out[key] = {"tokens": xs, "blocks": ys}
+        del llm
+    return out
+
+
+def _kv_body(b: Bench) -> str:
+    """The preset whose MHA / GQA / MQA variants are timed: --model's if it is a "random:" preset; else
+    the lecture's size on a GPU, and shapes a CPU runs in seconds (the smoke run: the smallest)."""
+    if b.args.model and str(b.args.model).startswith(RANDOM_PREFIX):
+        return parse_random_path(b.args.model)[0]
+    return b.q("smollm2-135m", "smollm2-tiny", gpu=KV_LECTURE_PRESET)
+
+
+def exp_kv_compression(b: Bench):
+    body = _kv_body(b)
+    # Timed: a context long enough that MHA's KV is a real share of a step's bytes (on the smoke run's
+    # tiny shapes a quarter: their 49k-token vocabulary is most of the weights), a budget of `batch` of them.
+    batch, context, steps = b.q(4, 4, gpu=8), b.q(1024, 1024, gpu=4096), b.q(10, 8)
+    timed = _kv_timed(b, body, batch, context, steps)
+    # The lecture's shapes need no weights for the accounting: the same budget rule on the pool the engine
+    # would allocate (1 GiB, 128 MiB on the smoke run, in float32 on a CPU). On a GPU the timed preset is
+    # the lecture's, and these are its rows.
+    same = body == KV_LECTURE_PRESET
+    lec_batch, lec_context = (batch, context) if same else (4, b.q(1024, 128))
+    lecture = timed if same else _kv_accounting(b, KV_LECTURE_PRESET, lec_batch, lec_context)
+    fig = {"dtype": str(b.torch_dtype).replace("torch.", ""), "block_size": KV_BLOCK,
+           "lecture_preset": KV_LECTURE_PRESET, "lecture_batch": lec_batch, "lecture_context": lec_context,
+           "lecture_budget_bytes": _kv_budget(b, KV_LECTURE_PRESET, lec_batch, lec_context), "lecture": lecture,
+           "timed_preset": body, "batch": batch, "context": context, "timed_context": context - steps - 8,
+           "steps": steps, "timed_budget_bytes": _kv_budget(b, body, batch, context), "timed": timed,
+           "published": published_kv_arithmetic(),
+           "sliding_window": _window_curves(b, b.q(256, 64), b.q(4096, 512))}
+    for rows in (lecture, timed):
+        for r in rows:                   # the lesson's ratios, against the MHA row
+            r["bytes_vs_mha"] = rows[0]["kv_bytes_per_token"] / r["kv_bytes_per_token"]
+            r["fit_vs_mha"] = r["fit_batch"] / rows[0]["fit_batch"]
+    return fig, _kv_text(fig)
+
+
+def _kv_text(r: dict) -> str:
+    """The tables of exp_kv_compression's figures."""
+    B, C, bs, dtype, w = r["batch"], r["context"], r["block_size"], r["dtype"], r["sliding_window"]
+    lecture = "" if r["lecture"] == r["timed"] else (
+        f"The lecture's shapes, {r['lecture_preset']}, {dtype} (no weights needed): each variant's pool as the "
+        f"engine allocates it for a budget of {r['lecture_budget_bytes'] / 2**20:.0f} MiB ({r['lecture_batch']} "
+        f"MHA sequences of {r['lecture_context']} tokens), filled by its block manager.\n\n" +
+        table(["attention", "KV heads", "KV B/token (formula)", "B/token of the allocated pool", "MHA / this",
+               f"sequences of {r['lecture_context']} tokens that fit"],
+              [[x["name"], x["kv_heads"], x["kv_bytes_per_token"], f"{x['pool_bytes_per_token']:.10g}",
+                x["bytes_vs_mha"], x["fit_batch"]] for x in r["lecture"]]) + "\n\n")
+    timed = [[x["name"], x["kv_heads"], x["kv_bytes_per_token"], f"{x['pool_bytes_per_token']:.10g}", x["fit_batch"],
+              x["step_ms"], x["bound_ms"], x["weight_bytes"] / 1e6, x["kv_bytes_per_step"] / 1e6,
+              f"{x['kv_share']:.0%}"] for x in r["timed"]]
+    pub = [[x["model"], x["attention"], x["values_per_token_per_layer"], f"{x['bytes_per_token'] / 1024:,.4g}",
+            x["kv_bytes_at_context"] / 1e9, x["reduction"]] for x in r["published"]]
+    win = w["windowed"]["blocks"]
+    return (lecture + f"Timed: {r['timed_preset']} with each KV-head count, {dtype}, a budget of "
+            f"{r['timed_budget_bytes'] / 2**20:.3g} MiB ({B} MHA sequences of {C} tokens); decode steps of {B} "
+            f"sequences at a {r['timed_context']}-token context, which every variant holds. A step reads every "
+            "weight once and each sequence's KV cache; bound = those bytes / the copy bandwidth.\n\n" +
+            table(["attention", "KV heads", "KV B/token (formula)", "B/token of the pool", f"sequences of {C} "
+                   "tokens that fit", "decode step (ms)", "bound (ms)", "weights MB/step", "KV MB/step",
+                   "KV share of the bytes"], timed) +
+            f"\n\nThe lecture's arithmetic for published models (bf16), one sequence of {LONG_CONTEXT:,} tokens:"
+            "\n\n" + table(["model", "attention", "values/token/layer", "KiB/token",
+                             f"GB at {LONG_CONTEXT // 1024}k tokens", "reduction"], pub) +
+            f"\n\nSliding window: one sequence generating {w['tokens']} tokens in blocks of {bs} (full attention: "
+            f"{w['full_source']}; the window: {w['windowed_source']}). Full attention holds "
+            f"{w['full']['blocks'][-1]} blocks at the end; a window of {w['window']} at most {max(win)} "
+            f"(bound ceil(W / block size) + 1 = {w['window_bound_blocks']}), {win[-1]} at the end.")
+
+
+# ----------------------------------------------------------------------------
 # Pictures: the lecture's plots, drawn from an experiment's results dict alone
 # ----------------------------------------------------------------------------
 # Each plot_<experiment>(r) takes what --json holds for that experiment (its
 # "meta" included) and returns a matplotlib Figure on the Agg canvas (no display,
 # no pyplot state); write_plot saves it. Nothing here runs a model, so a results
 # file from a GPU can be re-plotted anywhere. A new experiment adds its function
-# to PLOTS (kv-compression: KV blocks in use against generated length, full
-# attention against a window, beside bytes per token against the KV-head count).
+# to PLOTS.
 
 def _figure(r: dict, lesson: str, ncols: int = 1):
     """A Figure titled with the lesson, then the device, model and date of the run; its axes."""
@@ -1591,8 +1849,50 @@ def plot_quantization(r: dict):
     return fig
 
 
+def plot_kv_compression(r: dict):
+    lec, tim, w = r["lecture"], r["timed"], r["sliding_window"]
+    heads = lambda rows: " | ".join(str(x["kv_heads"]) for x in rows)                  # noqa: E731
+    models = ([f"{r['lecture_preset']} (kv_heads {heads(lec)})"] +
+              ([] if lec == tim else [f"{r['timed_preset']} (kv_heads {heads(tim)})"]) +
+              [f"{w['model'].removeprefix(RANDOM_PREFIX)} (window {w['window']})"])
+    fig, (a1, a2, a3) = _figure({**r, "models": models}, "KV compression: fewer KV heads, fewer bytes per token "
+                                "and more sequences per budget; a sliding window caps the blocks", ncols=3)
+    names = [x["name"] for x in lec]
+    # The allocated pool's bytes per token (log scale: MHA to MQA spans the query-head count)
+    a1.bar(names, [x["pool_bytes_per_token"] / 1024 for x in lec], color="C0", label="allocated pool")
+    for i, x in enumerate(lec):
+        a1.annotate(f"{x['kv_bytes_per_token'] / 1024:.4g} KiB\nfits {x['fit_batch']}",
+                    (i, x["pool_bytes_per_token"] / 1024), textcoords="offset points", xytext=(0, 3), ha="center",
+                    fontsize=8)
+    a1.set(yscale="log", ylabel="KV cache KiB per token", title=f"{r['lecture_preset']}: KV bytes per token and "
+           f"sequences of {r['lecture_context']} tokens that fit the budget", xlabel=f"attention ({r['dtype']})")
+    a1.title.set_fontsize(9)
+    a1.margins(y=0.25)
+    names = [x["name"] for x in tim]
+    a2.bar(names, [x["step_ms"] for x in tim], color="C1", label="decode step, measured")
+    a2.plot(names, [x["bound_ms"] for x in tim], "k_", ms=30, mew=2, ls="none", label="bound: bytes / bandwidth")
+    for i, x in enumerate(tim):
+        a2.annotate(f"KV {x['kv_share']:.0%} of bytes", (i, x["step_ms"]), textcoords="offset points", xytext=(0, 3),
+                    ha="center", fontsize=8)
+    a2.set(ylabel="decode step (ms)", xlabel=f"attention ({r['timed_preset']})",
+           title=f"batch {r['batch']} at a {r['timed_context']}-token context")
+    a2.title.set_fontsize(9)
+    a2.set_ylim(0, 1.15 * max(x["step_ms"] for x in tim))
+    a2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2)   # below: no bar hidden
+    a3.plot(w["full"]["tokens"], w["full"]["blocks"], "-", color="C0", label="full attention")
+    a3.plot(w["windowed"]["tokens"], w["windowed"]["blocks"], "-", color="C3", label=f"window W = {w['window']}")
+    a3.axhline(w["window_bound_blocks"], color="grey", ls=":", lw=1,
+               label=f"ceil(W / {w['block_size']}) + 1 = {w['window_bound_blocks']} blocks")
+    a3.set(xlabel="tokens generated (1-token prompt)", ylabel=f"KV blocks in use (of {w['block_size']} tokens)",
+           title="one sequence: O(length) against O(window)")
+    a3.title.set_fontsize(9)
+    a3.legend(fontsize=8, loc="upper left")
+    return fig
+
+
 PLOTS = {"roofline": plot_roofline, "batching": plot_batching, "kv-cache": plot_kv_cache,
-         "speculative": plot_speculative, "serving": plot_serving, "quantization": plot_quantization}
+         "speculative": plot_speculative, "serving": plot_serving, "quantization": plot_quantization,
+         "kv-compression": plot_kv_compression}
 
 
 def plots_dir(args) -> str | None:
@@ -1869,7 +2169,8 @@ def run_checks(b: Bench) -> tuple[dict, str]:
 EXPERIMENTS = {"overhead": exp_overhead, "roofline": exp_roofline, "kv-cache": exp_kv_cache, "batching": exp_batching,
                "continuous-vs-static": exp_continuous_vs_static, "prefix": exp_prefix,
                "speculative": exp_speculative, "quantization": exp_quantization, "compile": exp_compile,
-               "peer": exp_peer, "serving": exp_serving, "tensor-parallel": exp_tensor_parallel}
+               "peer": exp_peer, "serving": exp_serving, "tensor-parallel": exp_tensor_parallel,
+               "kv-compression": exp_kv_compression}
 
 
 def parse_args(argv=None):

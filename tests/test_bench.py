@@ -6,8 +6,11 @@ what must hold whatever the machine's speed (speed itself is never asserted):
 each bound equals the lecture's formula over the model's own shapes, each
 count equals the workload's, each exactness check holds (same tokens with
 and without the KV cache, speculation, compilation, tensor parallelism),
-every served request completes and the pool is free afterwards, and --json
-merges into a results file but never overwrites anything else.
+every served request completes and the pool is free afterwards, KV bytes
+per token and the batch a budget holds scale with the KV-head count (MHA /
+GQA-8 = 4, GQA-8 / MQA = 8) while a sliding window flattens the blocks a
+sequence holds, and --json merges into a results file but never overwrites
+anything else.
 
 Around the experiments: each picture is drawn from a results dict alone and
 carries its measured values; bandwidth is timed over batches of copies; bf16
@@ -106,9 +109,13 @@ def test_meta_and_every_experiment_present(run, results):
     assert meta["device"] and meta["torch"] == torch.__version__ and meta["date"] and meta["quick"] is True
     # --model sets both models; every figure names the weights it came from
     assert meta["timing_model"] == meta["quality_model"] == run.path
-    for name in bench.EXPERIMENTS:
+    for name in set(bench.EXPERIMENTS) - {"kv-compression"}:
         if "skipped" not in results[name]:
             assert results[name]["models"].get(run.path) == "checkpoint weights", (name, results[name]["models"])
+    # kv-compression changes the KV-head count and the window: "random:" presets of one body, said so
+    kv = results["kv-compression"]["models"]
+    assert kv == {p: "random weights, made-up shapes" for p in [f"random:smollm2-tiny:kv_heads={n}" for n in (4, 2, 1)]
+                  + ["random:smollm2-tiny", "random:smollm2-tiny:sliding_window=64"]}, kv
     assert results["overhead"]["models"][bench.TINY_MODEL] == "random weights, made-up shapes"
 
 
@@ -319,6 +326,93 @@ def test_tensor_parallel_arithmetic(results):
     assert [r["fits_80GB"] for r in rows if r["model"] == "llama-3.1-70b"] == [False, True, True, True]
 
 
+# -- kv-compression: fewer KV heads, and a sliding window -----------------------------------------------
+
+def test_kv_compression_bytes_per_token_and_the_batch_that_fits(results):
+    """MHA / GQA-8 / MQA at Llama-3.2-1B's shapes (float32 here): KV bytes per token by the formula and in
+    the pool the engine allocated; MHA / GQA-8 = 4 and GQA-8 / MQA = 8 exactly; the batch a fixed budget
+    holds at a fixed context, by the engine's block accounting, scales the same way within block rounding."""
+    import dataclasses
+
+    from model import read_config
+    r = results["kv-compression"]
+    lec, C = {x["name"]: x for x in r["lecture"]}, r["lecture_context"]
+    assert [(n, x["kv_heads"]) for n, x in lec.items()] == [("MHA", 32), ("GQA-8", 8), ("MQA", 1)]
+    cfg = read_config("random:llama-3.2-1b")
+    assert (r["lecture_batch"], C, r["block_size"]) == (4, 128, 16)
+    assert r["lecture_budget_bytes"] == kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=32), 4) * 4 * 128
+    for x in lec.values():
+        per_token = kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=x["kv_heads"]), 4)
+        assert x["kv_bytes_per_token"] == x["pool_bytes_per_token"] == per_token, x
+        assert x["pool_bytes"] == x["pool_tokens"] * per_token and x["pool_tokens"] == x["pool_blocks"] * 16
+        assert x["pool_blocks"] == r["lecture_budget_bytes"] // (per_token * 16)
+        assert x["fit_batch"] == x["pool_blocks"] // math.ceil(C / 16), "a sequence of C tokens holds ceil(C/16)"
+    assert lec["MHA"]["kv_bytes_per_token"] / lec["GQA-8"]["kv_bytes_per_token"] == 4.0
+    assert lec["GQA-8"]["kv_bytes_per_token"] / lec["MQA"]["kv_bytes_per_token"] == 8.0
+    m, g, q = (lec[n]["fit_batch"] for n in ("MHA", "GQA-8", "MQA"))
+    assert m == 4 and 4 * m <= g < 4 * (m + 1) and 8 * g <= q < 8 * (g + 1)
+    assert [x["bytes_vs_mha"] for x in lec.values()] == [1.0, 4.0, 32.0]
+
+
+def test_kv_compression_timed_variants(results):
+    """The timed body (smollm2-tiny's shapes with 4, 2 and 1 KV heads): pool, fitting batch and the
+    bytes of a decode step follow the formula; every variant decoded the same batch without preemption."""
+    import dataclasses
+
+    from model import read_config
+    r = results["kv-compression"]
+    bw = results["roofline"]["bandwidth_GBps"] * 1e9          # one Bench: the bandwidth is measured once
+    cfg, B, ctx = read_config("random:smollm2-tiny"), r["batch"], r["timed_context"]
+    assert r["timed_preset"] == "smollm2-tiny" and (B, r["context"]) == (4, 1024)
+    assert ctx == r["context"] - r["steps"] - 8
+    assert [(x["name"], x["kv_heads"], x["fit_batch"]) for x in r["timed"]] == [("MHA", 4, 4), ("GQA-2", 2, 8),
+                                                                                ("MQA", 1, 16)]
+    for x in r["timed"]:
+        c = dataclasses.replace(cfg, n_kv_heads=x["kv_heads"])
+        assert x["model"] == f"random:smollm2-tiny:kv_heads={x['kv_heads']}"
+        assert x["kv_bytes_per_token"] == x["pool_bytes_per_token"] == kv_bytes_per_token(c, 4)
+        assert x["weight_bytes"] == weight_bytes(c, 4)
+        kv = kv_bytes_per_token(c, 4) * ctx * B
+        assert x["kv_bytes_per_step"] == kv and x["kv_share"] == pytest.approx(kv / (kv + x["weight_bytes"]))
+        assert x["bound_ms"] == pytest.approx((kv + x["weight_bytes"]) / bw * 1e3)
+        assert x["step_ms"] > 0 and x["preemptions"] == 0
+        assert x["fit_batch"] == x["pool_blocks"] // math.ceil(r["context"] / 16)
+    assert r["timed_budget_bytes"] == kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=4), 4) * B * r["context"]
+
+
+def test_kv_compression_published_arithmetic(results):
+    """The lecture's arithmetic, bf16: Llama-2-70B as MHA and GQA-8, DeepSeek-V2's MLA (576 values per
+    token per layer = GQA with 2.25 KV heads of 128), Mistral-7B's 4k window at a 128k-token context."""
+    rows = results["kv-compression"]["published"]
+    assert [x["model"] for x in rows] == ["Llama-2-70B"] * 2 + ["DeepSeek-V2"] * 2 + ["Mistral-7B"] * 2
+    T = 128 * 1024
+    per_token = [2 * 80 * 64 * 128 * 2, 2 * 80 * 8 * 128 * 2, 2 * 60 * 128 * 128 * 2, 60 * 576 * 2,
+                 2 * 32 * 8 * 128 * 2, 2 * 32 * 8 * 128 * 2]
+    assert [x["bytes_per_token"] for x in rows] == per_token
+    assert [x["kv_bytes_at_context"] for x in rows] == [p * T for p in per_token[:5]] + [per_token[5] * 4096]
+    assert [x["reduction"] for x in rows] == [1.0, 8.0, 1.0, pytest.approx(32768 / 576), 1.0, 32.0]
+    assert rows[3]["values_per_token_per_layer"] == 2.25 * 2 * 128
+
+
+def test_kv_compression_window_frees_blocks(results):
+    """KV blocks in use against generated length: full attention holds ceil(x / 16) blocks; a window of
+    64 frees every block wholly before position x - W, so it flattens at ceil(W / 16) + 1 = 5. Measured
+    from the engine's step loop wherever LLM gives its block manager the window."""
+    from scheduler import LLM
+    w = results["kv-compression"]["sliding_window"]
+    W, bs, n = w["window"], w["block_size"], w["tokens"]
+    assert (w["model"], W, bs, n, w["window_bound_blocks"]) == ("random:smollm2-tiny", 64, 16, 512, 5)
+    full, win = w["full"], w["windowed"]
+    assert full["tokens"] == win["tokens"] == list(range(1, n + 1))
+    assert full["blocks"] == [math.ceil(x / bs) for x in full["tokens"]], "full attention: O(length)"
+    assert win["blocks"] == [math.ceil(x / bs) - max(0, (x - W) // bs) for x in win["tokens"]]
+    assert max(win["blocks"]) == 5 and full["blocks"][-1] == 32
+    assert w["full_source"].startswith("the engine")
+    llm = LLM("random:smollm2-tiny:sliding_window=64", device="cpu", kv_cache_bytes=1 << 20, max_num_seqs=1)
+    engine_has_window = getattr(llm.block_manager, "sliding_window", None) == 64
+    assert w["windowed_source"].startswith("the engine" if engine_has_window else "a BlockManager")
+
+
 # -- the scale, the labels, and --json --------------------------------------------------------------
 
 def test_scale_picks_the_largest_preset_that_fits():
@@ -482,8 +576,19 @@ def synthetic_results():
                           "tokens_per_s_batch4": t4, "perplexity": ppl} for n, d, w, t1, t4, ppl in
                          (("float", "float32", 12e6, 400.0, 1000.0, 20.5),
                           ("int8 weights", "bfloat16", 3e6, 800.0, 2500.0, 20.9))]}
+    lecture = [{"name": n, "kv_heads": h, "kv_bytes_per_token": b, "pool_bytes_per_token": float(b), "fit_batch": f}
+               for n, h, b, f in (("MHA", 32, 262144, 4), ("GQA-8", 8, 65536, 16), ("MQA", 1, 8192, 128))]
+    timed = [{"name": n, "kv_heads": h, "step_ms": s, "bound_ms": bd, "kv_share": sh}
+             for n, h, s, bd, sh in (("MHA", 4, 30.0, 3.4, 0.3), ("GQA-2", 2, 25.0, 3.3, 0.2),
+                                     ("MQA", 1, 21.0, 3.2, 0.1))]
+    window = {"model": "random:smollm2-tiny", "window": 32, "block_size": 16, "window_bound_blocks": 3,
+              "full": {"tokens": [1, 17, 33, 49, 65], "blocks": [1, 2, 3, 4, 5]},
+              "windowed": {"tokens": [1, 17, 33, 49, 65], "blocks": [1, 2, 3, 3, 3]}}
+    kvc = {"dtype": "float32", "context": 1024, "timed_context": 1006, "batch": 4, "lecture_context": 128,
+           "lecture_preset": "llama-3.2-1b",
+           "timed_preset": "smollm2-tiny", "lecture": lecture, "timed": timed, "sliding_window": window}
     out = {"roofline": roofline, "batching": batching, "kv-cache": kv, "speculative": spec, "serving": serving,
-           "quantization": quant}
+           "quantization": quant, "kv-compression": kvc}
     for r in out.values():
         r.update(meta=META, models={"random:smollm2-tiny": "random weights, made-up shapes"})
     return out
@@ -559,6 +664,24 @@ def test_serving_and_quantization_plots_carry_the_measured_values():
     assert line(fig, "float (float32): perplexity 20.5") == ([12.0], [400.0])
     assert line(fig, "int8 weights (bfloat16): perplexity 20.9") == ([3.0], [800.0])
     assert [3.0, 3.0] in [v[0] for v in lines(fig).values()] and [800.0, 2500.0] in [v[1] for v in lines(fig).values()]
+
+
+def test_kv_compression_plot_carries_the_measured_values():
+    """Bars: the allocated pool's KiB per token of each variant (labelled with the batch that fits) and each
+    timed variant's decode step; lines: blocks in use against length, full and windowed, and the bound."""
+    r = synthetic_results()["kv-compression"]
+    fig = bench.plot_kv_compression(r)
+    a1, a2, a3 = fig.axes
+    assert [p.get_height() for p in a1.patches] == [256.0, 64.0, 8.0] and a1.get_yscale() == "log"
+    assert [t.get_text() for t in a1.get_xticklabels()] == ["MHA", "GQA-8", "MQA"]
+    assert {t.get_text() for t in a1.texts} == {"256 KiB\nfits 4", "64 KiB\nfits 16", "8 KiB\nfits 128"}
+    assert [p.get_height() for p in a2.patches] == [30.0, 25.0, 21.0]
+    assert line(fig, "bound")[1] == [3.4, 3.3, 3.2]
+    assert {t.get_text() for t in a2.texts} == {"KV 30% of bytes", "KV 20% of bytes", "KV 10% of bytes"}
+    assert line(fig, "full attention") == ([1, 17, 33, 49, 65], [1, 2, 3, 4, 5])
+    assert line(fig, "window W = 32") == ([1, 17, 33, 49, 65], [1, 2, 3, 3, 3])
+    assert line(fig, "ceil(W / 16) + 1 = 3")[1] == [3, 3]
+    assert "llama-3.2-1b (kv_heads 32 | 8 | 1)" in fig.get_suptitle() and "window 32" in fig.get_suptitle()
 
 
 def test_quick_run_draws_every_picture_beside_the_json(run, results):
