@@ -50,8 +50,9 @@ import torch.nn as nn
 from cache import kv_cache_bytes
 from model import ModelConfig, load_model, read_config
 from quantize import Int8Linear, make_kv_cache, quantize_model
+from support.checks import check_kv_pool_args, check_shardable, check_tensor_parallel  # noqa: F401 (bench.py's)
 from support.workers import (CollectiveCounters, TensorParallelError, WorkerGroup,  # noqa: F401 (re-exported)
-                             WorkerSpec, check_world_size, serve_worker)
+                             WorkerSpec, serve_worker)
 
 # --- The collectives ----------------------------------------------------------
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; torch 2.11 has only the old one.
@@ -99,26 +100,20 @@ def _narrow_(module: nn.Module, name: str, dim: int, rank: int, world_size: int)
     setattr(module, name, nn.Parameter(piece, requires_grad=False) if isinstance(t, nn.Parameter) else piece)
 
 
-def _check_linear(linear):
-    if type(linear) not in (nn.Linear, Int8Linear):
-        raise TypeError(f"cannot shard a {type(linear).__name__}: shard the model once, "
-                        f"right after loading (and quantize_model)")
-
-
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T: rank r owns output features [r*out/N, (r+1)*out/N) (int8: with their
     scales); the output [T, out/N] stays split, as the next op works on whole heads or columns."""
 
-    def __init__(self, linear, rank: int, world_size: int):
+    def __init__(self, linear, rank: int, world_size: int, comm: Collectives | None = None):
         super().__init__()
-        _check_linear(linear)
+        check_shardable(linear, (nn.Linear, Int8Linear))        # once, right after loading
         # assignment: tensor-parallel
         for name in ("weight", "bias", "scale"):                 # W [out, in], b [out], scale [out]
             if getattr(linear, name, None) is not None:
                 _narrow_(linear, name, 0, rank, world_size)
         linear.out_features //= world_size
         # end assignment
-        self.linear = linear                                     # [out/N, in]
+        self.linear, self.comm = linear, comm                    # [out/N, in]; comm: the head's all-gather
 
     def forward(self, x):                                        # [T, in] -> [T, out/N]
         return self.linear(x)
@@ -131,7 +126,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear, rank: int, world_size: int, comm: Collectives):
         super().__init__()
-        _check_linear(linear)
+        check_shardable(linear, (nn.Linear, Int8Linear))        # once, right after loading
         # assignment: tensor-parallel
         _narrow_(linear, "weight", 1, rank, world_size)          # W [out, in/N]
         linear.in_features //= world_size
@@ -157,8 +152,7 @@ class VocabParallelEmbedding(nn.Module):
         _narrow_(embedding, "weight", 0, rank, world_size)       # [V/N, D]
         embedding.num_embeddings //= world_size
         self.embed, self.comm = embedding, comm
-        self.start = rank * embedding.num_embeddings
-        self.end = self.start + embedding.num_embeddings
+        self.start, self.end = rank * embedding.num_embeddings, (rank + 1) * embedding.num_embeddings
 
     @property
     def weight(self):                                            # the table a tied head shares
@@ -177,27 +171,13 @@ class VocabParallelHead(ColumnParallelLinear):
     """The LM head, column-parallel over the vocabulary (a tied head shares the sliced
     embedding table): rank r computes its V/N logits, an all-gather assembles [rows, V]."""
 
-    def __init__(self, linear, rank: int, world_size: int, comm: Collectives):
-        super().__init__(linear, rank, world_size)
-        self.comm = comm
-
     def forward(self, x):                                        # [rows, D]
         return self.comm.all_gather_last_dim(self.linear(x))    # [rows, V/N] -> [rows, V]
 
 
-# --- Sharding a loaded model, and the check that comes first ---------------------
-
-def check_tensor_parallel(cfg: ModelConfig, world_size: int, device_type: str = "cpu"):
-    """Raise ValueError unless each rank owns whole heads, KV heads, FFN columns and
-    vocabulary rows (vLLM replicates KV heads and pads the vocabulary; we refuse)."""
-    check_world_size(world_size, device_type)      # a positive integer; on CUDA, that many GPUs
-    sizes = {"attention heads": cfg.n_heads, "KV heads": cfg.n_kv_heads,
-             "FFN width": cfg.ffn_dim, "vocabulary size": cfg.vocab_size}
-    bad = [f"{name} {n}" for name, n in sizes.items() if n % world_size]
-    if bad:
-        raise ValueError(f"tensor_parallel_size={world_size} must divide the model's attention heads, "
-                         f"KV heads, FFN width and vocabulary size; it does not divide: {', '.join(bad)}")
-
+# --- Sharding a loaded model ------------------------------------------------------
+# Every rank must own whole heads, KV heads, FFN columns and vocabulary rows (vLLM replicates KV
+# heads and pads the vocabulary; support/checks.py's check_tensor_parallel refuses instead).
 
 def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     """One rank's config (and KV cache shape): its heads, KV heads and FFN columns; dim,
@@ -279,21 +259,17 @@ def tensor_parallel_cost(cfg: ModelConfig, world_size: int, tokens: int, dtype=t
 # --- One step on every rank: rank 0 sends it, each worker's loop runs it -----------
 
 def _place(obj, device, cache):
-    """A copy of obj (tensors, lists, tuples, dicts, dataclasses) with its tensors on `device`,
-    a context's .cache set to `cache`: rank 0 sends it on "cpu", a worker uses its device, pool."""
+    """A copy of obj (tensors, lists, tuples, dicts, contexts and their dataclasses) with its tensors
+    on `device`, a context's .cache set to `cache`: rank 0 sends it on "cpu", a worker uses its own."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if type(obj) in (list, tuple):
         return type(obj)(_place(x, device, cache) for x in obj)
     if type(obj) is dict:
         return {k: _place(v, device, cache) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and not hasattr(obj, "cache"):
-        return dataclasses.replace(obj, **{f.name: _place(getattr(obj, f.name), device, cache)
-                                           for f in dataclasses.fields(obj) if f.init})
-    if hasattr(obj, "cache") and hasattr(obj, "__dict__"):
+    if hasattr(obj, "cache") or dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         new = copy.copy(obj)
-        vars(new).update({name: _place(v, device, cache) for name, v in vars(obj).items() if name != "cache"})
-        new.cache = cache
+        vars(new).update({k: cache if k == "cache" else _place(v, device, cache) for k, v in vars(obj).items()})
         return new
     return obj
 
@@ -327,12 +303,6 @@ def _worker_loop(model, device, dtype, commands):
     dist.destroy_process_group()
 
 
-def worker_main():
-    """A worker process (support/workers.py runs `import parallel; parallel.worker_main()`,
-    rank and address in its environment): the user's script needs no __main__ guard."""
-    serve_worker(load_shard, _worker_loop)
-
-
 class TensorParallelGroup(WorkerGroup):
     """Rank 0's handle on N ranks: tp.model (its shard), tp.config (per rank), allocate_cache,
     forward, close(). The processes are WorkerGroup's; after a failure only close() works."""
@@ -343,14 +313,12 @@ class TensorParallelGroup(WorkerGroup):
         self.full_config, self.cache = read_config(path), None
         check_tensor_parallel(self.full_config, world_size, device_type)   # before any process starts
         spec = WorkerSpec(path, world_size, device_type, dtype, quantization, collective_timeout_s)
-        super().__init__(spec, load_shard, _worker_loop, "import parallel; parallel.worker_main()",
-                         startup_timeout_s)
+        entry = "import parallel; parallel.serve_worker(parallel.load_shard, parallel._worker_loop)"  # `python -c`
+        super().__init__(spec, load_shard, _worker_loop, entry, startup_timeout_s)   # (no __main__ guard needed)
 
     def allocate_cache(self, num_blocks: int, block_size: int = 16, kv_cache_dtype=None):
         """Every rank allocates num_blocks blocks for its KV heads (one block manager for all)."""
-        if not isinstance(num_blocks, int) or num_blocks < 1 or kv_cache_dtype not in (None, "int8"):
-            raise ValueError(f"need num_blocks >= 1 and kv_cache_dtype None or 'int8', "
-                             f"got {num_blocks!r}, {kv_cache_dtype!r}")
+        check_kv_pool_args(num_blocks, kv_cache_dtype)
         self._send(("alloc", num_blocks, block_size, kv_cache_dtype))
         try:
             self.cache = make_kv_cache(self.config, num_blocks, block_size, kv_cache_dtype, self.device, self.dtype)

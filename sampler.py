@@ -1,11 +1,11 @@
 """
 sampler.py -- sampling that costs what a request asks for.
 
-The lesson: sampling is per request (temperature, top-k, top-p, a seed), yet it runs
-as ONE batched operation per step and pays only for what each request asks for.
-Greedy rows (the common case) are one argmax: no sort, no softmax, no noise. Only rows
-that ask for top-k pay for a topk, only those with top-p < 1 for a sort. Every sampled
-row then draws its token with ONE uniform number, by inverse CDF, vectorized.
+The lesson: sampling is per request (temperature, top-k/p, min-p, penalties, a seed), yet
+it runs as ONE batched operation per step and pays only for what each request asks for.
+Greedy rows (the common case) are one argmax: no sort, no softmax, no noise. Only rows that
+ask for top-k pay for a topk, top-p < 1 for a sort, penalties for counting their history.
+Every sampled row then draws its token with ONE uniform number, by inverse CDF, vectorized.
 
 The uniforms are counter-based: u = hash(request key, output position, stream), a pure
 function like JAX's or Philox's counters (a per-request torch.Generator is sequential
@@ -45,18 +45,23 @@ class SamplingParams:
     n: int = 1                      # parallel samples sharing the prompt (copy-on-write)
     logprobs: int | None = None     # None, or the chosen token's logprob + this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none): scoring
+    min_p: float = 0.0              # keep tokens with probability >= min_p * the top one's (0 = off)
+    repetition_penalty: float = 1.0   # a token of the prompt or output: logit / it if > 0, * it if < 0
+    presence_penalty: float = 0.0   # logit -= presence * (token in the output) + frequency * its count
+    frequency_penalty: float = 0.0  # (vLLM's and OpenAI's semantics; 1, 0, 0: off)
 
     # integers for a tensor or a hash fit 64 bits; counts that cost memory or time are capped
     LIMITS = {"max_tokens": 2**31 - 1, "n": 128, "logprobs": 20, "prompt_logprobs": 20, "stop": 16,
-              "stop_chars": 1024, "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1)}
+              "stop_chars": 1024, "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1), "min_p": (0, 1),
+              "repetition_penalty": (0.01, 100), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
     GREEDY_BELOW = 1e-5             # temperatures this small are greedy (logits / 1e-30 would overflow)
 
     def __post_init__(self):
         check_sampling_params(self)     # ValueError naming the field; a stop string becomes [string]
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < self.GREEDY_BELOW
+    greedy = property(lambda self: self.temperature < self.GREEDY_BELOW)
+    penalized = property(lambda self: (self.repetition_penalty, self.presence_penalty,
+                                       self.frequency_penalty) != (1, 0, 0))   # else: nothing counted
 
 
 # --- Counter-based noise -----------------------------------------------------
@@ -86,13 +91,19 @@ def uniform(key: int, position: int, stream: int = DRAW) -> float:
 
 
 # --- Filtering and the draw --------------------------------------------------
-def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float]):
-    """Probabilities [R, V] of sampled rows after temperature, top-k, then top-p: logits [R, V]
-    float32; temperature [R]; top_k (0 = off), top_p (1 = off) as host lists, so no host-device
-    round trip decides which rows to filter. Ties at a threshold are all kept."""
+def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float], min_p=None):
+    """Probabilities [R, V] of sampled rows after temperature, min-p, top-k, then top-p (vLLM's order):
+    logits [R, V] float32; temperature [R]; top_k (0 = off), top_p (1 = off), min_p (0 = off) as host
+    lists, so no host-device round trip decides which rows to filter. Ties at a threshold are all kept."""
     # assignment: sampler
     R, V = logits.shape
     logits = logits / temperature[:, None]
+    m_rows = [i for i, m in enumerate(min_p or ()) if m > 0]
+    if m_rows:                                      # min-p: keep p >= min_p * max p, a cut that scales with
+        rows = torch.tensor(m_rows, device=logits.device)       # how sure the model is
+        probs = logits[rows].softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor([[min_p[i]] for i in m_rows], device=logits.device)
+        logits[rows] = logits[rows].masked_fill(probs < floor, float("-inf"))
     k_rows = [i for i, k in enumerate(top_k) if 0 < k < V]
     if k_rows:                                      # top-k: keep logits >= the k-th largest
         rows = torch.tensor(k_rows, device=logits.device)
@@ -135,6 +146,7 @@ class SampleRequest:
     params: SamplingParams
     key: int                       # sample_key of the sequence
     position: int                  # output index of the first token it will get
+    token_ids: list = ()           # the sequence so far (prompt, then `position` outputs): for penalties
     draft_probs: torch.Tensor | None = None   # [len(drafts), V] of a draft model (None: one-hot)
 
 
@@ -150,6 +162,9 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
     drafts = np.array([r.drafts + [-1] * (max(K, 1) - len(r.drafts)) for r in reqs])   # [S, max(K, 1)], -1: none
     idx, d, n_t = (torch.as_tensor(a, device=dev) for a in (ridx, drafts, n))
     best, argmax = logits.max(dim=-1)                          # [R]: greedy tokens, and a NaN/inf check
+    pen = [s for s, r in enumerate(reqs) if r.params.penalized]    # nobody asks: not one op more
+    scores = penalize(logits, [reqs[s] for s in pen], ridx[pen]) if pen else logits   # logprobs stay raw
+    argmax = scores.argmax(dim=-1) if pen else argmax          # penalties move greedy choices too
     tokens = argmax[idx]                                       # [S, K+1]: the target's argmax per position
     if K:                                                      # greedy rule: accept while draft == argmax
         agree = (tokens[:, :K] == d[:, :K]) & (torch.arange(K, device=dev)[None] < n_t[:, None])
@@ -158,7 +173,7 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
         n_acc = torch.zeros(S, dtype=torch.long, device=dev)
     sampled = [s for s, r in enumerate(reqs) if not r.params.greedy]
     if sampled:
-        toks, acc = _sample_rows(logits, [reqs[s] for s in sampled], ridx[sampled], d[sampled], n_t[sampled])
+        toks, acc = _sample_rows(scores, [reqs[s] for s in sampled], ridx[sampled], d[sampled], n_t[sampled])
         sel = torch.as_tensor(sampled, device=dev)
         tokens[sel], n_acc[sel] = toks, acc
     finite = torch.isfinite(best[idx]).all(dim=1)
@@ -180,26 +195,48 @@ def _sample_rows(logits, reqs, ridx, d, n):
     """Sampled (temperature > 0) sequences: filtered q, the rejection rule, one draw each."""
     S, K1 = ridx.shape
     rows = torch.as_tensor(ridx.reshape(-1), device=logits.device)
-    per_row = lambda f: [f(r) for r in reqs for _ in range(K1)]                     # noqa: E731
-    temp = torch.tensor(per_row(lambda r: r.params.temperature), device=logits.device, dtype=logits.dtype)
-    probs = filtered_probs(logits[rows], temp, per_row(lambda r: r.params.top_k),
-                           per_row(lambda r: r.params.top_p)).view(S, K1, -1)           # [S, K+1, V]
+    per_row = lambda f: [f(r.params) for r in reqs for _ in range(K1)]                 # noqa: E731
+    temp = torch.tensor(per_row(lambda p: p.temperature), device=logits.device, dtype=logits.dtype)
+    probs = filtered_probs(logits[rows], temp, per_row(lambda p: p.top_k), per_row(lambda p: p.top_p),
+                           per_row(lambda p: p.min_p)).view(S, K1, -1)                  # [S, K+1, V]
     dp = None
     if any(r.draft_probs is not None for r in reqs):                                 # a draft model's p
         dp = torch.zeros(S, K1 - 1, probs.shape[-1], device=logits.device)
         for s, r in enumerate(reqs):
             if r.draft_probs is not None:
                 dp[s, :len(r.drafts)] = r.draft_probs
-    accept_u = torch.tensor([[uniform(r.key, r.position + j, ACCEPT) for j in range(K1 - 1)] for r in reqs],
-                            device=logits.device, dtype=torch.float64).view(S, K1 - 1)
-    n_acc, final = rejection_sample_batched(probs, dp, d[:, :K1 - 1], n, accept_u)
+    u = torch.tensor([[[uniform(r.key, r.position + j, stream) for stream in (DRAW, ACCEPT)] for j in range(K1)]
+                      for r in reqs], device=logits.device, dtype=torch.float64)     # [S, K+1, 2]: the noise
+    n_acc, final = rejection_sample_batched(probs, dp, d[:, :K1 - 1], n, u[:, :K1 - 1, 1])
     # the extra token lands at output position + n_acc: that position's DRAW noise
-    draw_u = torch.tensor([[uniform(r.key, r.position + j) for j in range(K1)] for r in reqs],
-                          device=logits.device, dtype=torch.float64)
-    final_tok = draw(final, draw_u.gather(1, n_acc[:, None])[:, 0])
+    final_tok = draw(final, u[:, :, 0].gather(1, n_acc[:, None])[:, 0])
     j = torch.arange(K1, device=logits.device)[None]
     drafts = torch.cat([d[:, :K1 - 1], d.new_zeros(S, 1)], dim=1)
     return torch.where(j < n_acc[:, None], drafts, final_tok[:, None]), n_acc
+
+
+def penalize(logits, reqs: list[SampleRequest], ridx):
+    """logits with the rows ridx [S, K+1] of S sequences penalized (vLLM's rule): a token seen in the prompt or
+    the output has its logit divided by repetition_penalty if > 0, else multiplied by it; then
+    logit -= presence * (count > 0) + frequency * count, counting OUTPUT tokens. Row j of a verification
+    also counts drafts 0..j-1: each position sees its own history, so verifying stays exact."""
+    (S, K1), V, dev = ridx.shape, logits.shape[1], logits.device
+
+    def count(parts):    # [len(parts), V]: how often each part holds each token (one scatter-add)
+        flat = np.concatenate([np.asarray(p, dtype=np.int64) + i * V for i, p in enumerate(parts)])
+        counts = torch.zeros(len(parts) * V, device=dev)
+        return counts.index_add_(0, torch.as_tensor(flat).to(dev), torch.ones(len(flat), device=dev)).view(-1, V)
+    param = lambda name: torch.tensor([getattr(r.params, name) for r in reqs], device=dev)[:, None, None]  # noqa
+    in_prompt = count([r.token_ids[:len(r.token_ids) - r.position] for r in reqs]).view(S, 1, V) > 0
+    # assignment: sampler
+    n = count([r.token_ids[len(r.token_ids) - r.position:] for r in reqs]).view(S, 1, V) \
+        + count([r.drafts[:j] for r in reqs for j in range(K1)]).view(S, K1, V)   # row j: + drafts 0..j-1
+    x = logits[torch.as_tensor(ridx, device=dev)]                                          # [S, K+1, V]
+    seen = n > 0
+    rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)
+    x = torch.where(x > 0, x / rep, x * rep) - param("presence_penalty") * seen - param("frequency_penalty") * n
+    # end assignment
+    return logits.index_put((torch.as_tensor(ridx.reshape(-1), device=dev),), x.flatten(0, 1).to(logits.dtype))
 
 
 def _logprobs(logits, ridx, tokens, top: int):
@@ -210,22 +247,18 @@ def _logprobs(logits, ridx, tokens, top: int):
 
 
 def prompt_logprobs(logits, next_tokens: list[int], top: int) -> list:
-    """The same for prompt positions (prompt_logprobs): the LAST len(next_tokens) logits rows, each scored
-    against the prompt token after it. Only [R] + 2 x [R, top] stay on the device for the step's one wait."""
-    logp = logits[-len(next_tokens):].float().log_softmax(dim=-1)    # [R, V]: dies here, never kept
-    alt = logp.topk(max(top, 1), dim=-1)
+    """The same for prompt positions (prompt_logprobs), in float32: the LAST len(next_tokens) logits rows, each
+    scored against the prompt token after it. Only [R] + 2 x [R, top] stay on the device for the step's one wait."""
     nxt = torch.as_tensor(next_tokens).to(logits.device, non_blocking=True)   # a copy up, no wait
-    return [logp.gather(1, nxt[:, None])[:, 0], alt.values, alt.indices]
+    return _logprobs(logits[-len(next_tokens):].float(), np.arange(len(next_tokens)), nxt, top)   # [R, V] dies
 
 
 def fetch(*tensors) -> list:
     """Device -> host lists with ONE wait: the step's only synchronization."""
-    if not tensors or tensors[0].device.type == "cpu":
-        return [t.tolist() for t in tensors]
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # pragma: no cover (CUDA)
-            for t in tensors]
-    torch.cuda.current_stream(tensors[0].device).synchronize()  # pragma: no cover (CUDA)
-    return [h.tolist() for h in host]  # pragma: no cover (CUDA)
+    host = [t.to("cpu", non_blocking=True) for t in tensors]   # CPU: the tensors themselves; CUDA: copies
+    if tensors and tensors[0].is_cuda:                         # queued into pinned memory: wait once for all
+        torch.cuda.current_stream(tensors[0].device).synchronize()  # pragma: no cover (CUDA)
+    return [h.tolist() for h in host]
 
 
 # --- Fault isolation: the whole batch at once, else each request alone -------
@@ -257,8 +290,8 @@ def sample_isolated(logits, asks, fail, also=()):
 
 
 def draft_sampler(asks):
-    """The draft model samples with each request's own params and noise
-    (stream DRAFT); greedy requests take its argmax, as one-hot probabilities."""
+    """The draft model samples with each request's params (not min-p or penalties: any draft p keeps
+    verification exact) and noise (stream DRAFT); greedy requests take its argmax, as one-hot probabilities."""
     seqs = [seq for seq, _ in asks]
 
     def draft_sample(logits, idx, step):       # logits [R, V] of the requests idx, at draft step `step`

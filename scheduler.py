@@ -49,7 +49,7 @@ from sequence import FINISHED, RUNNING, WAITING, Request, RequestOutput, Sequenc
 from speculative import make_drafter
 from support import checks
 from support.checkpoint import tokenizer_path
-from support.timing import choose_weight_layout
+from support.timing import choose_weight_layout, step_memory
 from tokenizer import Tokenizer
 
 # --- Part 1: the scheduler ----------------------------------------------------
@@ -79,9 +79,6 @@ class Scheduler:
         self.running: list[Sequence] = []            # oldest first: the last one is preempted first
         self.num_preemptions = 0
         self.release_hooks = []                  # called with a sequence whose blocks were freed
-
-    def add(self, seq: Sequence):
-        self.waiting.append(seq)
 
     def _seats(self, seq):
         """Seats a sequence takes: a request with n > 1 forks when its prompt is done."""
@@ -217,12 +214,12 @@ def sample_requests(batch, scheduler, tokenizer):
         end += item.count                      # this sequence's tokens end here in the flat batch
         if seq.draft_tokens:
             asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
-                                            seq.num_output, seq.draft_probs)))
+                                            seq.num_output, seq.token_ids, seq.draft_probs)))
             rows += range(end - item.count, end)
         elif item.start + item.count == len(seq.token_ids):
             forked = [seq] + scheduler.fork(seq, item.start + item.count, tokenizer)   # children share the row
             if seq.params.max_tokens:          # max_tokens=0 only scores its prompt: nothing to sample
-                asks += [(s, SampleRequest(len(rows), [], s.params, s.key, s.num_output)) for s in forked]
+                asks += [(s, SampleRequest(len(rows), [], s.params, s.key, s.num_output, s.token_ids)) for s in forked]
                 rows.append(end - 1)
     return asks, rows + prompt_rows, scored
 
@@ -283,21 +280,27 @@ class LLM:
         self.model, self.config, self.tp = load_engine_model(self.path, self.device, self.dtype, quantization,
                                                              tensor_parallel_size, compile)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_path(self.path))
+        max_query_len = num_speculative_tokens + 1 if speculative else 1     # verify steps: k + 1 tokens
+        # compile=True settles what else stays in memory first: the weights' layout (rewritten one
+        # layer at a time) and, on CUDA, the compiled step's bytes (its graphs' pool included).
+        self.weight_layout = choose_weight_layout(self.model) if compile else "default"
+        reserve = compiled_step_reserve(self.model, self.config, self.dtype, self.device, block_size, kv_cache_dtype,
+                                        max_num_seqs, max_query_len) if compile and kv_cache_bytes is None else 0
         # The KV pool takes the memory the weights left, in blocks of the lecture's
         # bytes per token (make_kv_pool): it bounds the batch AND the longest sequence.
         scratch = 1 if compile else 0      # kernels.py: padded rows write into a block no sequence owns
         self.cache, num_blocks = make_kv_pool(
             self.tp.config if self.tp else self.config, self.dtype, self.device, block_size, kv_cache_bytes,
-            kv_cache_dtype, scratch, self.tp and (lambda n: self.tp.allocate_cache(n, block_size, kv_cache_dtype)))
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+            kv_cache_dtype, scratch, self.tp and (lambda n: self.tp.allocate_cache(n, block_size, kv_cache_dtype)),
+            reserve=reserve)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching, self.config.sliding_window)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.inputs = StepInputs(self.block_manager, self.device)
         self.max_len = min(self.config.max_seq_len, num_blocks * block_size)   # the longest that can run
-        self.decoder, self.compile_seconds, self.weight_layout = None, 0.0, "default"
+        self.decoder, self.compile_seconds = None, 0.0
         if compile:
-            self.decoder, self.compile_seconds, self.weight_layout = make_compiled_decoder(
-                self.model, self.cache, max_num_seqs, self.max_len, block_size, scratch_block=num_blocks,
-                max_query_len=num_speculative_tokens + 1 if speculative else 1)   # verify steps: k + 1 tokens
+            self.decoder, self.compile_seconds = make_compiled_decoder(
+                self.model, self.cache, max_num_seqs, self.max_len, block_size, num_blocks, max_query_len)
         self.requests: dict[str, Request] = {}
         self._request_ids, self._rng = itertools.count(), random.Random(0)   # rng: seeds of unseeded requests
         self.stats = {"steps": 0, "batched_tokens": 0,     # forward passes, and tokens they processed
@@ -316,14 +319,12 @@ class LLM:
         # types, the vocabulary, room to generate, n <= max_num_seqs seats: ValueError/TypeError (support/)
         ids = checks.check_request(ids, params, SamplingParams, self.config, self.max_len,
                                    self.scheduler.max_num_seqs)
-        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = checks.new_request_id(request_id, self.requests, self._request_ids)   # unique: a str
         seed = params.seed if params.seed is not None else self._rng.getrandbits(64)   # the request's noise
         req = Request(request_id, ids, params, time.perf_counter(), seed)
         req.seqs.append(Sequence(req, ids, 0, self.tokenizer))   # with n > 1, forked when the prompt is done
         self.requests[request_id] = req
-        self.scheduler.add(req.seqs[0])
+        self.scheduler.waiting.append(req.seqs[0])               # FCFS: at the back of the queue
         return request_id
 
     def abort(self, request_id: str):
@@ -371,8 +372,8 @@ class LLM:
             if not batch:        # with nothing running, the oldest waiting request can never fit
                 if not self.scheduler.running and self.scheduler.waiting:     # fail it rather than spin
                     seq = self.scheduler.waiting[0]
-                    fail(seq.request, f"request {seq.request.request_id} cannot be scheduled even in an "
-                         f"empty engine ({len(seq.token_ids)} tokens, {self.block_manager.num_blocks} blocks)")
+                    fail(seq.request, checks.unschedulable(seq.request.request_id, len(seq.token_ids),
+                                                           self.block_manager.num_blocks))
                 return [r.output() for r in failed.values()]
             asks, rows, scored = sample_requests(batch, self.scheduler, self.tokenizer)   # who samples, which rows
             logits = self._forward(batch, rows)                   # 2. one pass over every scheduled token
@@ -463,10 +464,8 @@ class LLM:
         ids, final = [], {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                try:
+                with checks.naming(f"prompt {i}"):          # its ValueError or TypeError, prefixed
                     ids.append(self.add_request(prompt, p))
-                except (ValueError, TypeError) as e:
-                    raise type(e)(f"prompt {i}: {e}") from None
             while len(final) < len(ids):
                 final.update((out.request_id, out) for out in self.step() if out.finished)
         except BaseException:
@@ -495,15 +494,15 @@ def load_engine_model(path, device, dtype, quantization, tensor_parallel_size: i
 
 
 def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cache_dtype, scratch: int,
-                 allocate=None):
+                 allocate=None, reserve: int = 0):
     """The KV pool: as many blocks as the byte budget allows; returns (cache, usable blocks).
     The central memory trade-off of serving: every byte given to the KV cache is more
     concurrent context. With tensor parallelism cfg is one rank's shard and allocate(num_blocks)
     makes every rank's pool: the same budget per device holds N times the tokens."""
     # bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value (+ int8's scales)
     per_token = int8_kv_cache_bytes(cfg) if kv_cache_dtype == "int8" else kv_cache_bytes(cfg, dtype)
-    if budget is None:     # CUDA: most of what the weights left free; CPU: 1 GiB (set kv_cache_bytes)
-        budget = int(0.8 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 1 << 30
+    if budget is None:     # CUDA: 90% of what the weights left free, less a compiled step's `reserve`; CPU: 1 GiB
+        budget = int(0.9 * torch.cuda.mem_get_info(device)[0]) - reserve if device.type == "cuda" else 1 << 30
     num_blocks = num_blocks_for_budget(per_token, block_size, budget)
     checks.check_pool_size(num_blocks, 1 + scratch, budget, block_size, per_token)
     cache = allocate(num_blocks) if allocate else \
@@ -515,14 +514,21 @@ def make_kv_pool(cfg, dtype, device, block_size: int, budget: int | None, kv_cac
     return cache, num_blocks - scratch     # scratch blocks: a compiled step's padded rows (kernels.py)
 
 
+def compiled_step_reserve(model, cfg, dtype, device, block_size, kv_cache_dtype, max_num_seqs, max_query_len) -> int:
+    """CUDA: the bytes compiled steps keep beside the KV pool, their graphs' pool included: the largest
+    bucket, run on a one-block pool before the real pool is sized (support/timing.py step_memory)."""
+    pool = lambda: make_kv_cache(cfg, 1, block_size, kv_cache_dtype, device, dtype)   # noqa: E731
+    return 0 if device.type != "cuda" else step_memory(lambda: CompiledDecoder(
+        model, pool(), max_num_seqs, math.ceil(cfg.max_seq_len / block_size), 0, (1, max_query_len)).scratch_step(),
+        device, graphs=True)
+
+
 def make_compiled_decoder(model, cache, max_num_seqs: int, max_len: int, block_size: int, scratch_block: int,
                           max_query_len: int = 1):
     """compile=True: steps of <= max_query_len tokens per sequence through torch.compile
     (kernels.py), every bucket compiled now rather than in the middle of serving."""
-    layout = choose_weight_layout(model)
-    decoder = CompiledDecoder(model, cache, max_num_seqs, math.ceil(max_len / block_size), scratch_block,
-                              query_sizes=(1, max_query_len))
+    decoder = CompiledDecoder(model, cache, max_num_seqs, -(-max_len // block_size), scratch_block, (1, max_query_len))
     seconds = decoder.warmup()
     print(f"nanoinfer: compiled steps of {decoder.query_sizes} tokens per sequence for batch buckets "
-          f"{decoder.batch_sizes} and table widths {decoder.widths} in {seconds:.1f} s (weight layout: {layout})")
-    return decoder, seconds, layout
+          f"{decoder.batch_sizes} and table widths {decoder.widths} in {seconds:.1f} s")
+    return decoder, seconds

@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler import LLM, SamplingParams
 from support.checks import check_seats
-from support.server import (APIError, Metrics, Reply, Server, check_limits, check_model, check_neutral,
+from support.server import (APIError, Metrics, Reply, Server, check_limits, check_model,
                             check_prompts, checked, error_json, exposure_warning, http_limits, llm_options,
                             one_shot, serve_arguments, serve_until_signal, shutting_down, side_routes, utf8)
 
@@ -79,14 +79,14 @@ class Sampling(Schema):                       # what both endpoints take
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # vLLM's extras, OpenAI's penalties: not implemented, accepted at the neutral values benchmarks send
+    # OpenAI's penalties and vLLM's extras (sampler.py applies them, vLLM's semantics)
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     min_p: float | None = None
 
 
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
 
 
 class CompletionRequest(Sampling):
@@ -270,7 +270,6 @@ DEFAULT_REQUEST_CONTEXTS = 16
 def sampling_params(llm: LLM, body: Sampling, chat: bool, prompts: list, cap: int | None) -> SamplingParams:
     """The request's SamplingParams: API spellings mapped to the library's, then the
     limits of this server: its context, its batch's seats, its per-request cap."""
-    check_neutral(body, NEUTRAL)
     mt_name = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
     longest, n, max_tokens = max(len(ids) for ids, _ in prompts), 1 if body.n is None else body.n, \
         getattr(body, mt_name)
@@ -293,7 +292,8 @@ def sampling_params(llm: LLM, body: Sampling, chat: bool, prompts: list, cap: in
                      # -1 is vLLM's "off"; a k beyond the vocabulary keeps every token anyway
                      top_k=0 if body.top_k in (None, -1) else min(body.top_k, llm.config.vocab_size),
                      stop=[utf8(s, "stop") for s in stop], ignore_eos=bool(body.ignore_eos), logprobs=k,
-                     prompt_logprobs=k if not chat and body.echo else None)   # echo: the prompt's logprobs too
+                     prompt_logprobs=k if not chat and body.echo else None,   # echo: the prompt's logprobs too
+                     **{name: getattr(body, name) for name in PENALTIES if getattr(body, name) is not None})
     # This server's limits: seats in the batch, and the work (all n samples x max_tokens) one request holds
     try:
         check_seats(params.n, llm.scheduler.max_num_seqs)

@@ -70,30 +70,27 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
     with its counter-based noise. K = 0 is plain sampling: final = target_probs[:, 0].
     """
     B, K, dev = target_probs.shape[0], target_probs.shape[1] - 1, target_probs.device
-    rows, n_acc = torch.arange(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
-    if K:
-        # assignment: rejection-sampling
-        idx = draft_tokens.long().clamp(min=0)[..., None]                  # [B, K, 1]
-        q = target_probs[:, :K].gather(-1, idx)[..., 0]                     # [B, K]: q(x_i)
-        p = torch.ones_like(q) if draft_probs is None else draft_probs.gather(-1, idx)[..., 0]
-        accept = torch.where(p > 0, accept_u < q / p.clamp(min=1e-30), q > 0)   # u < min(1, q/p)
-        accept &= torch.arange(K, device=q.device)[None] < num_drafts[:, None]
-        n_acc = accept.long().cumprod(dim=1).sum(dim=1)                     # accepted prefix [B]
-        # end assignment
+    if not K:                                                                # plain sampling: q itself
+        return torch.zeros(B, dtype=torch.long, device=dev), target_probs[:, 0]
+    rows = torch.arange(B, device=dev)
+    # assignment: rejection-sampling
+    idx = draft_tokens.long().clamp(min=0)[..., None]                      # [B, K, 1]
+    q = target_probs[:, :K].gather(-1, idx)[..., 0]                         # [B, K]: q(x_i)
+    p = torch.ones_like(q) if draft_probs is None else draft_probs.gather(-1, idx)[..., 0]
+    accept = torch.where(p > 0, accept_u < q / p.clamp(min=1e-30), q > 0)   # u < min(1, q/p)
+    accept &= torch.arange(K, device=q.device)[None] < num_drafts[:, None]
+    n_acc = accept.long().cumprod(dim=1).sum(dim=1)                         # accepted prefix [B]
     final = target_probs[rows, n_acc]                                        # [B, V]: q at the stop
-    if K:
-        # assignment: rejection-sampling
-        rejected = (n_acc < num_drafts)[:, None]                             # else: the bonus row, q itself
-        at = n_acc.clamp(max=K - 1)
-        if draft_probs is None:      # max(q - onehot(x), 0) = q with x's entry zeroed (q(x) <= 1)
-            residual = final.scatter(1, draft_tokens[rows, at].long().clamp(min=0)[:, None], 0.0)
-        else:
-            residual = (final - draft_probs[rows, at]).clamp(min=0)
-        # a residual with no mass means rejection had probability 0: keep q
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final)
-        final = torch.where(rejected, residual, final)
-        # end assignment
-    return n_acc, final
+    rejected = (n_acc < num_drafts)[:, None]                                 # else: the bonus row, q itself
+    at = n_acc.clamp(max=K - 1)
+    if draft_probs is None:          # max(q - onehot(x), 0) = q with x's entry zeroed (q(x) <= 1)
+        residual = final.scatter(1, draft_tokens[rows, at].long().clamp(min=0)[:, None], 0.0)
+    else:
+        residual = (final - draft_probs[rows, at]).clamp(min=0)
+    # a residual with no mass means rejection had probability 0: keep q
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final)
+    return n_acc, torch.where(rejected, residual, final)
+    # end assignment
 
 
 # --- Drafters: propose(requests) -> [(draft tokens, draft probs or None)] ----
@@ -195,6 +192,5 @@ def make_drafter(speculative, k, max_num_batched_tokens, target, tokenizer, pool
     if speculative == "ngram":                  # prompt lookup: no model, drafts from the text itself
         return NgramDrafter()
     draft, cfg = load_model(speculative, device=device, dtype=dtype)   # a smaller model, same tokenizer
-    checks.check_same_vocabulary(speculative, cfg.vocab_size, Tokenizer.from_pretrained(speculative).ranks,
-                                 target.vocab_size, tokenizer.ranks)
+    checks.check_same_vocabulary(speculative, cfg, Tokenizer.from_pretrained(speculative), target, tokenizer)
     return ModelDrafter(draft, pool_blocks, block_size, device, dtype, make_inputs)

@@ -26,7 +26,7 @@ import re
 import regex  # tiktoken's own dependency: \p{L} classes for the slow path
 import tiktoken
 
-from support import checkpoint
+from support import bytelevel, checkpoint, checks
 
 # GPT-2's pre-tokenizer regex: contractions, words with an optional leading
 # space, numbers, punctuation runs, and whitespace (a run keeps its last
@@ -41,24 +41,15 @@ DIGITS_THEN_GPT2_PATTERN = (r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}
 PLACEHOLDER = "\ufffd"
 
 
-def _unicode_to_byte() -> dict[str, int]:
-    """Byte-level vocabularies write each byte as a printable character
-    (GPT-2's bytes_to_unicode: a space is 'Ġ', a newline 'Ċ'). This inverts it."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    others = [b for b in range(256) if b not in table.values()]
-    table.update({chr(256 + i): b for i, b in enumerate(others)})   # the rest shift to U+0100...
-    return table
-
-
 class Tokenizer:
     """encode / decode / chat template over a tiktoken.Encoding."""
 
     def __init__(self, vocab: dict[str, int], specials: dict[str, int], pattern: str,
                  eos_token: str | None = None, bos_token: str | None = None,
                  chat_template: str | None = None):
-        u2b = _unicode_to_byte()
-        ranks = {bytes(u2b[ch] for ch in tok): i for tok, i in vocab.items() if tok not in specials}
+        # tokenizer.json writes each byte as a printable character (GPT-2's bytes_to_unicode: a
+        # space is 'Ġ'); support/bytelevel.py gives the tokens back as bytes, which BPE merges.
+        ranks = bytelevel.byte_ranks(vocab, specials)
         # tiktoken merges the pair whose concatenation has the lowest rank: the merges' learned
         # order, which Hugging Face byte-level vocabularies number their ids in, so rank = id.
         self.vocab_size = max([*vocab.values(), *specials.values()]) + 1
@@ -147,13 +138,7 @@ class Tokenizer:
     def _chat_parts(self, messages, add_generation_prompt):
         """ChatML as (text, is_special) pieces:
         <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n"""
-        if self.default_system_prompt is None and "<|im_start|>" not in (self.chat_template or ""):
-            raise ValueError("this checkpoint's chat template is not ChatML; only ChatML is implemented")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
+        checks.check_chat(messages, self.chat_template)      # a ChatML template; string roles and contents
         if messages[0]["role"] != "system" and self.default_system_prompt is not None:
             messages = [{"role": "system", "content": self.default_system_prompt}] + messages
         parts = []

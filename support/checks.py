@@ -16,10 +16,13 @@ built, never inside an engine step. Imports: the standard library and torch.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
 import torch
+
+from support.workers import check_world_size
 
 # ----------------------------------------------------------------------------
 # Small predicates and error text
@@ -89,6 +92,9 @@ def check_sampling_params(p) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(p, name)
         check(k is None or (is_int(k) and 0 <= k <= L[name]), name, f"None or an integer in [0, {L[name]}]")
+    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        lo, hi = L[name]
+        check(is_num(getattr(p, name)) and lo <= getattr(p, name) <= hi, name, f"a number in [{lo}, {hi}]")
 
 
 # ----------------------------------------------------------------------------
@@ -107,6 +113,29 @@ def check_request(ids, params, params_type, cfg, max_len: int, max_num_seqs: int
     check_prompt_length(len(ids), max_len, "context" if max_len == cfg.max_seq_len else "KV cache pool")
     check_seats(params.n, max_num_seqs)     # its n samples run side by side
     return ids
+
+
+def new_request_id(request_id, in_use, counter) -> str:
+    """A request's id: the caller's (as a string), which no live request may hold, or the counter's next."""
+    request_id = str(next(counter)) if request_id is None else str(request_id)
+    if request_id in in_use:
+        raise ValueError(f"request id {request_id!r} is already in use")
+    return request_id
+
+
+@contextlib.contextmanager
+def naming(what: str):
+    """Re-raise a ValueError or TypeError with `what` in front: which prompt of a list was refused."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{what}: {e}") from None
+
+
+def unschedulable(request_id, num_tokens: int, num_blocks: int) -> str:
+    """Why a request fails at once: even an empty engine could not hold it."""
+    return (f"request {request_id} cannot be scheduled even in an "
+            f"empty engine ({num_tokens} tokens, {num_blocks} blocks)")
 
 
 def generate_inputs(prompts, params) -> tuple[list, list]:
@@ -141,6 +170,18 @@ def check_seats(n: int, max_num_seqs: int) -> None:
     if n > max_num_seqs:
         raise ValueError(f"n={n} samples need {n} batch seats; this engine runs at most "
                          f"max_num_seqs={max_num_seqs} sequences at once")
+
+
+def check_chat(messages, chat_template: str | None) -> None:
+    """Tokenizer.apply_chat_template's input: a non-empty list of {'role', 'content'} string dicts,
+    for a checkpoint whose template is ChatML (the only one implemented)."""
+    if "<|im_start|>" not in (chat_template or ""):
+        raise ValueError("this checkpoint's chat template is not ChatML; only ChatML is implemented")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
 
 
 # ----------------------------------------------------------------------------
@@ -197,8 +238,36 @@ def check_speculative(speculative, k, max_k: int, max_num_batched_tokens: int) -
         raise ValueError(f"speculative must be None, 'ngram' or a draft model directory, got {speculative!r}")
 
 
-def check_same_vocabulary(path, draft_vocab_size: int, draft_ranks, target_vocab_size: int, target_ranks) -> None:
-    """A draft model proposes token ids the target must read as the same tokens."""
-    if draft_vocab_size != target_vocab_size or draft_ranks != target_ranks:
+def check_tensor_parallel(cfg, world_size: int, device_type: str = "cpu") -> None:
+    """parallel.py's split needs each rank to own whole heads, KV heads, FFN columns and
+    vocabulary rows (vLLM replicates KV heads and pads the vocabulary; we refuse), and one
+    GPU per rank on CUDA."""
+    check_world_size(world_size, device_type)      # a positive integer; on CUDA, that many GPUs
+    sizes = {"attention heads": cfg.n_heads, "KV heads": cfg.n_kv_heads,
+             "FFN width": cfg.ffn_dim, "vocabulary size": cfg.vocab_size}
+    bad = [f"{name} {n}" for name, n in sizes.items() if n % world_size]
+    if bad:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide the model's attention heads, "
+                         f"KV heads, FFN width and vocabulary size; it does not divide: {', '.join(bad)}")
+
+
+def check_shardable(linear, types) -> None:
+    """shard_model slices each linear once, right after loading: an already sharded one is refused."""
+    if type(linear) not in types:
+        raise TypeError(f"cannot shard a {type(linear).__name__}: shard the model once, "
+                        f"right after loading (and quantize_model)")
+
+
+def check_kv_pool_args(num_blocks, kv_cache_dtype) -> None:
+    """A tensor-parallel group's KV pool: a positive block count, a known storage type."""
+    if not is_int(num_blocks) or num_blocks < 1 or kv_cache_dtype not in (None, "int8"):
+        raise ValueError(f"need num_blocks >= 1 and kv_cache_dtype None or 'int8', "
+                         f"got {num_blocks!r}, {kv_cache_dtype!r}")
+
+
+def check_same_vocabulary(path, draft_config, draft_tokenizer, target_config, target_tokenizer) -> None:
+    """A draft model proposes token ids the target must read as the same tokens (configs' vocab_size,
+    tokenizers' ranks)."""
+    if draft_config.vocab_size != target_config.vocab_size or draft_tokenizer.ranks != target_tokenizer.ranks:
         raise ValueError(f"the draft model at {path} has a different vocabulary "
-                         f"({draft_vocab_size} tokens) than the target ({target_vocab_size})")
+                         f"({draft_config.vocab_size} tokens) than the target ({target_config.vocab_size})")

@@ -142,13 +142,6 @@ def check_model(served: str, asked: str | None) -> None:
                        "model_not_found")
 
 
-def check_neutral(body, neutral: dict) -> None:
-    """Fields a client may send only at their neutral value (vLLM's extras a benchmark sends)."""
-    for name, value in neutral.items():
-        if getattr(body, name) not in (None, value):
-            raise APIError(400, f"{name!r} must be {value}: unsupported (not implemented by this engine)", name)
-
-
 def check_prompts(llm, prompts: list, param: str, max_waiting: int) -> list:
     """(token ids, text) prompts the engine can take: 1 to max_waiting of them (more could never
     wait at once), ids in the vocabulary, at least one, shorter than the context."""

@@ -125,7 +125,8 @@ ASSIGNMENTS = {
         "scoring its prompt (prompt_logprobs) is admitted with allocate(..., use_prefix_cache=False)"),
     "sampler": Assignment(
         "6. continuous batching (sampler.py): the sampler",
-        "temperature, then top-k, then top-p per row; an inverse-CDF draw with one uniform per row; "
+        "temperature, then min-p, top-k, top-p per row; vLLM's repetition/presence/frequency penalties (verification "
+        "row j counting drafts 0..j-1); an inverse-CDF draw with one uniform per row; "
         "counter-based uniform noise from (key, position, stream)"),
     "stop-strings": Assignment(
         "6. continuous batching (sampler.py): stop strings",

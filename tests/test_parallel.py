@@ -22,7 +22,8 @@ To pass, implement:
     a killed worker makes the next step raise within seconds; so does a
     worker that dies in the middle of a collective;
   * worker processes start as their own interpreters running
-    parallel.worker_main (support/workers.py): a user's script needs no
+    support/workers.py's serve_worker with parallel.load_shard and
+    parallel._worker_loop: a user's script needs no
     `if __name__ == "__main__":` guard, even when read from stdin, and
     leaves no worker running when it exits;
   * tensor_parallel_cost: the lecture's arithmetic; checked on Llama-3.1-8B's

@@ -5,11 +5,16 @@ To pass, implement:
     (position * 3 + stream)-th output of SplitMix64 started at the key, so a
     seeded request gets the same tokens whatever its batch and after
     preemption;
-  * filtered_probs: temperature, then top-k, then top-p per row (against a
-    direct reference), and draw: the inverse CDF of (unnormalized) rows with
-    one uniform per row, never a zero-probability token;
+  * filtered_probs: temperature, then min-p, top-k, then top-p per row
+    (vLLM's order, against a direct reference), and draw: the inverse CDF of
+    (unnormalized) rows with one uniform per row, never a zero-probability token;
+  * penalize: vLLM's penalties (repetition over prompt and output; presence
+    and frequency over the output), row j of a verification counting drafts
+    0..j-1 too, so greedy tokens equal a naive loop of dense forward passes
+    and verification stays exact;
   * (given) sample_tokens puts them together: greedy rows are one argmax,
-    only sampled rows filter and draw; logprobs come from the raw logits;
+    only sampled rows filter and draw, only penalized rows count their
+    history; logprobs come from the raw logits;
   * StopStrings: Knuth-Morris-Pratt over streamed text: feed returns the
     first stop string completed, partial how much text must be held back;
     the engine cuts a stop string from the text and never streams it.
@@ -40,7 +45,12 @@ def assert_no_leak(llm):
                                          ("temperature", 10**400), ("seed", 2**64), ("seed", -2**63 - 1),
                                          ("stop", ["z" * 1025]), ("stop", ["a"] * 17), ("n", 129),
                                          ("prompt_logprobs", -1), ("prompt_logprobs", 21),
-                                         ("prompt_logprobs", True), ("prompt_logprobs", 1.0)])
+                                         ("prompt_logprobs", True), ("prompt_logprobs", 1.0),
+                                         ("min_p", -0.1), ("min_p", 1.5), ("min_p", True),
+                                         ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+                                         ("repetition_penalty", float("inf")), ("presence_penalty", 2.5),
+                                         ("presence_penalty", "1"), ("frequency_penalty", -2.01),
+                                         ("frequency_penalty", float("nan"))])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -92,11 +102,12 @@ def test_noise_is_a_function_of_key_position_and_stream():
 
 # ---------------------------------------------------- filtering and the draw
 
-def reference_probs(logits, temperature, top_k, top_p):
-    """softmax(logits / T), then top-k, then top-p on the renormalized rest,
-    written out the obvious way (one row, Python sorting)."""
+def reference_probs(logits, temperature, top_k, top_p, min_p=0.0):
+    """softmax(logits / T), then min-p (p >= min_p * max p), top-k, then top-p on
+    the renormalized rest, written out the obvious way (one row, Python sorting)."""
     p = (logits / temperature).softmax(-1)
-    order = p.argsort(descending=True).tolist()
+    p = torch.where(p >= min_p * p.max(), p, torch.zeros_like(p))
+    order = [i for i in p.argsort(descending=True).tolist() if p[i] > 0]
     keep = order[:top_k] if top_k else order
     mass = p[keep] / p[keep].sum()
     n_keep, total = 0, 0.0
@@ -112,13 +123,19 @@ def reference_probs(logits, temperature, top_k, top_p):
 def test_filtered_probs_against_a_direct_reference():
     torch.manual_seed(0)
     logits = torch.randn(5, 50) * 2
-    rows = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.6), (1.0, 49, 0.3)]
-    probs = filtered_probs(logits.clone(), torch.tensor([r[0] for r in rows]), [r[1] for r in rows],
-                           [r[2] for r in rows])
-    for i, (t, k, p) in enumerate(rows):
-        ref = reference_probs(logits[i], t, k, p)
-        assert torch.allclose(probs[i], ref, atol=1e-6), f"row {i} (T={t}, top_k={k}, top_p={p}) differs"
+    rows = [(1.0, 0, 1.0, 0), (0.7, 5, 1.0, 0), (1.3, 0, 0.8, 0), (0.9, 7, 0.6, 0), (1.0, 49, 0.3, 0),
+            (1.0, 0, 1.0, 0.05), (0.6, 0, 1.0, 0.3), (1.5, 6, 1.0, 0.1), (1.2, 0, 0.7, 0.02), (2.0, 9, 0.9, 0.2)]
+    probs = filtered_probs(logits.repeat(2, 1), torch.tensor([r[0] for r in rows]), [r[1] for r in rows],
+                           [r[2] for r in rows], [r[3] for r in rows])
+    for i, (t, k, p, m) in enumerate(rows):
+        ref = reference_probs(logits[i % 5], t, k, p, m)
+        assert torch.allclose(probs[i], ref, atol=1e-6), f"row {i} (T={t}, top_k={k}, top_p={p}, min_p={m}) differs"
         assert (probs[i] > 0).sum() == (ref > 0).sum(), f"row {i}: wrong number of tokens kept"
+    assert torch.equal(probs[:5], filtered_probs(logits.clone(), torch.tensor([r[0] for r in rows[:5]]),
+                                                 [r[1] for r in rows[:5]], [r[2] for r in rows[:5]])), \
+        "min_p = 0 (or absent) must change nothing"
+    kept = [int((probs[i] > 0).sum()) for i in range(5, 10)]
+    assert all(0 < n < 50 for n in kept), f"the min_p rows must cut some tokens and keep some: {kept}"
 
 
 @pytest.mark.assignment("sampler")
@@ -155,17 +172,18 @@ def test_greedy_rows_are_the_argmax_and_skip_filtering(monkeypatch):
     assert [t for t, _, _ in out] == [[int(x)] for x in logits.argmax(-1)] and calls
 
 
-@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.5, 0, 0.7), (1.0, 5, 0.8)])
+@pytest.mark.parametrize("t,k,p,m", [(1.0, 0, 1.0, 0), (0.7, 4, 1.0, 0), (1.5, 0, 0.7, 0), (1.0, 5, 0.8, 0),
+                                     (1.0, 0, 0.95, 0.1)])
 @pytest.mark.assignment("sampler")
-def test_sampled_rows_follow_the_filtered_distribution(t, k, p):
+def test_sampled_rows_follow_the_filtered_distribution(t, k, p, m):
     """200k draws through sample_tokens (each its own key) against the reference."""
     torch.manual_seed(2)
     logits = torch.randn(1, 8) * 1.5
     n = 200_000
-    params = SamplingParams(temperature=t, top_k=k, top_p=p)
+    params = SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
     toks = [x[0][0] for x in sample_tokens(logits.expand(n, -1), [ask(i, params, key=i) for i in range(n)])]
     counts = torch.bincount(torch.tensor(toks), minlength=8).float()
-    ref = reference_probs(logits[0], t, k, p)
+    ref = reference_probs(logits[0], t, k, p, m)
     assert counts[ref == 0].sum() == 0, "a filtered-out token was drawn"
     exp = ref[ref > 0] * n
     stat = float(((counts[ref > 0] - exp) ** 2 / exp).sum())
@@ -195,6 +213,104 @@ def test_non_finite_logits_are_flagged_per_row():
     logits[1, 4] = float("nan")
     out = sample_tokens(logits, [ask(i, SamplingParams(temperature=float(i))) for i in range(3)])
     assert [finite for _, _, finite in out] == [True, False, True]
+
+# ------------------------------------------------------------------ penalties
+
+def reference_penalties(row, prompt, output, p):
+    """vLLM's penalties on one logits row, a plain loop over the tokens seen (float64):
+    repetition_penalty for tokens of the prompt or the output (divide a positive logit,
+    multiply a negative one), then presence and frequency for the output's tokens."""
+    row = row.double().clone()
+    for t in set(prompt) | set(output):
+        x, c = float(row[t]), output.count(t)
+        x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        row[t] = x - p.presence_penalty * (c > 0) - p.frequency_penalty * c
+    return row
+
+
+def reference_verify(logits, prompt, output, drafts, p):
+    """Greedy verification one position at a time: row j is penalized with the history
+    up to it (the output so far + the drafts accepted before it)."""
+    out = []
+    for j in range(len(drafts) + 1):
+        out.append(int(reference_penalties(logits[j], prompt, output + out, p).argmax()))
+        if j == len(drafts) or out[-1] != drafts[j]:
+            return out
+
+
+PENALIZED = [SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=1.8),
+             SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.7),
+             SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=0.7, frequency_penalty=-1.0),
+             SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=1.3, presence_penalty=-0.5,
+                            frequency_penalty=2.0)]
+
+
+@pytest.mark.assignment("sampler")
+def test_penalized_verification_rows_see_their_own_history():
+    """sample_tokens with drafts and penalties, greedy, against reference_verify: the
+    drafts are the raw argmax of each row, so only the penalties (counting the drafts
+    before each row) decide how many are accepted; half the trials have only negative
+    logits (which repetition_penalty multiplies). A sampled request with top_k = 1
+    verifies through the rejection rule and must give the same tokens."""
+    torch.manual_seed(7)
+    V, prompt, output = 12, [1, 2, 3, 3], [4, 5, 4]
+    for trial in range(60):
+        K = 1 + trial % 4
+        drafts = torch.randint(0, 6, (K,)).tolist()
+        logits = torch.randn(K + 1, V) - 8 * (trial % 2)                # odd trials: every logit < 0
+        logits[torch.arange(K), drafts] += 1.5 + trial % 3            # the raw argmax: the draft
+        p = PENALIZED[trial % 4]
+        want = reference_verify(logits, prompt, output, drafts, p)
+        top1 = SamplingParams(temperature=1.0, top_k=1, repetition_penalty=p.repetition_penalty,
+                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)
+        reqs = [SampleRequest(0, drafts, q, 3, len(output), prompt + output) for q in (p, top1)]
+        for (got, _, _), how in zip(sample_tokens(logits, reqs), ("greedy", "sampled with top_k=1")):
+            assert got == want, f"trial {trial}, {how}, drafts {drafts}: got {got}, one position at a time {want}"
+
+
+@pytest.mark.assignment("sampler")
+@pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
+def test_greedy_penalties_equal_a_naive_dense_loop(tiny_path):
+    """LLM.generate with penalties (chunked prefill, a plain greedy batch-mate; then n-gram
+    and draft-model speculation) gives the tokens of a naive loop: a dense forward pass over
+    the whole sequence per token, reference_penalties on its last row, argmax."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=6)
+    # "x y": the tiny model's greedy text repeats itself there, so every penalty changes it
+    a, b, c = (llm.tokenizer.encode(t) for t in ("x y", "a b c a b c a b", "the cat the cat"))
+    ids, params = [a, a, b, a, c, c], PENALIZED + [PENALIZED[2], SamplingParams(max_tokens=8, ignore_eos=True)]
+    outs = llm.generate(ids, params)
+    for prompt, p, out in zip(ids[:5], params, outs):
+        seq = list(prompt)
+        for _ in range(p.max_tokens):
+            row = llm.model(torch.tensor(seq), torch.arange(len(seq)))[-1]       # dense: no cache, no batch
+            seq.append(int(reference_penalties(row, prompt, seq[len(prompt):], p).argmax()))
+        assert out.token_ids == seq[len(prompt):], f"{p}: the engine's tokens differ from the naive loop"
+    plain = {tuple(x): o.token_ids for x, o in zip(ids, llm.generate(ids, params[-1]))}
+    assert all(o.token_ids != plain[tuple(x)] for x, o in zip(ids[:5], outs)), "each penalty was meant to matter"
+    for drafter in ("ngram", tiny_path):     # the target as its own draft: its drafts ignore the penalties
+        spec = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative=drafter, num_speculative_tokens=3)
+        assert [o.token_ids for o in spec.generate(ids, params)] == [o.token_ids for o in outs], drafter
+        assert 0 < spec.stats["accepted_tokens"] < spec.stats["draft_tokens"], f"{drafter}: no draft was judged"
+
+
+@pytest.mark.needs("engine", "sampler")
+def test_neutral_penalties_and_min_p_change_nothing_and_cost_nothing(tiny_path, monkeypatch):
+    """repetition_penalty 1, presence and frequency 0, min_p 0 (what benchmarks send) are the
+    defaults: the same tokens, greedy or seeded, and no penalty work when nobody asks."""
+    import sampler
+    calls = []
+    real = sampler.penalize
+    monkeypatch.setattr(sampler, "penalize", lambda *a: calls.append(a) or real(*a))
+    neutral = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0)
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    for base in (SamplingParams(max_tokens=8, ignore_eos=True),
+                 SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, top_p=0.9, seed=5)):
+        plain = llm.generate(["neutral values"], base)[0].token_ids
+        assert llm.generate(["neutral values"], SamplingParams(**{**vars(base), **neutral}))[0].token_ids == plain
+    assert not calls, "no request asked for penalties: none may be computed"
+    llm.generate(["neutral values"], SamplingParams(max_tokens=2, repetition_penalty=1.1))
+    assert calls, "a penalized request must go through penalize"
+    assert_no_leak(llm)
 
 # --------------------------------------------- seeded sampling in the engine
 

@@ -262,10 +262,10 @@ def test_a_sampler_error_fails_only_the_request_that_caused_it(tiny_path, monkey
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
     real = sampler.filtered_probs
 
-    def picky(logits, temperature, top_k, top_p):
+    def picky(logits, temperature, top_k, top_p, min_p=None):
         if 7 in top_k:
             raise RuntimeError("this filter cannot take top_k=7")
-        return real(logits, temperature, top_k, top_p)
+        return real(logits, temperature, top_k, top_p, min_p)
     monkeypatch.setattr(sampler, "filtered_probs", picky)
     good, out = run_beside(llm, "x", SamplingParams(max_tokens=3, temperature=1.0, top_k=7))
     assert [o.token_ids for o in good] == ref, "a healthy request changed because of another's sampling error"
@@ -561,7 +561,7 @@ def test_scheduler_admits_in_order_within_the_token_budget(real_tokenizer):
     sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=10)
     seqs = make_seqs(real_tokenizer, [6, 6, 6, 6])
     for s in seqs:
-        sched.add(s)
+        sched.waiting.append(s)
     b1 = sched.schedule()
     assert [(i.seq, i.count) for i in b1] == [(seqs[0], 6), (seqs[1], 4)], "FCFS, chunked to the budget"
     fake_step(sched, b1)
@@ -578,7 +578,7 @@ def test_scheduler_preempts_the_newest_sequence(real_tokenizer):
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
     seqs = make_seqs(real_tokenizer, [4, 4, 4])
     for s in seqs:
-        sched.add(s)
+        sched.waiting.append(s)
     fake_step(sched, sched.schedule())      # three 4-token prompts: 3 full blocks
     fake_step(sched, sched.schedule())      # decodes: seq 0 gets the last block, 1 and 2 cannot
     assert sched.num_preemptions >= 1
@@ -698,7 +698,7 @@ def test_preempted_sequence_goes_back_to_the_front_of_the_queue(real_tokenizer):
     sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=100)
     seqs = make_seqs(real_tokenizer, [4, 4, 4, 4])
     for s in seqs:
-        sched.add(s)
+        sched.waiting.append(s)
     first = sched.schedule()                # two seats: seqs 0 and 1 prefill, 2 and 3 wait
     assert [i.seq for i in first] == seqs[:2] and list(sched.waiting) == seqs[2:]
     fake_step(sched, first)
@@ -722,8 +722,9 @@ def test_an_engine_step_never_enters_support(tiny_path):
     import os
     import sys
     llm = LLM(tiny_path, kv_cache_bytes=1 << 22)
-    llm.add_request("The capital of France is", SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=1))
-    llm.add_request([1, 2, 3], SamplingParams(max_tokens=6, stop=["e"]))
+    llm.add_request("The capital of France is", SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=1,
+                                                               min_p=0.05, frequency_penalty=0.5))
+    llm.add_request([1, 2, 3], SamplingParams(max_tokens=6, stop=["e"], repetition_penalty=1.2))
     support = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support") + os.sep
     entered, tour = set(), set()
 

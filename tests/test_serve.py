@@ -497,7 +497,7 @@ def test_chat_logprobs_in_openai_chat_shape(server, offline):
 
 
 @pytest.mark.needs("engine", "sse-stream")
-def test_benchmark_clients_payloads_and_neutral_extras(server, offline):
+def test_benchmark_clients_payloads_and_sampling_extras(server, offline):
     """What `vllm bench serve` sends (repetition_penalty 1.0, logprobs null, ignore_eos,
     stream_options, chat content as text parts, max_completion_tokens) is served like
     offline generate; vLLM's sampling extras are accepted at their neutral values only."""
@@ -519,10 +519,11 @@ def test_benchmark_clients_payloads_and_neutral_extras(server, offline):
     chunks = sse(payload)
     want = offline.generate([chat_ids], SamplingParams(max_tokens=8, ignore_eos=True))[0].text
     assert stream_texts(chunks, "delta") == {0: want} and chunks[-1]["usage"]["prompt_tokens"] == len(chat_ids)
-    for name, value in (("repetition_penalty", 1.2), ("min_p", 0.1), ("presence_penalty", 0.5),
-                        ("frequency_penalty", -1.0)):
-        err = assert_error(*request(server, "POST", "/v1/completions", {"prompt": "x", name: value}), 400, name)
-        assert "unsupported" in err["message"], err
+    penalties = {"repetition_penalty": 1.3, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -1.0}
+    status, out = request(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                              "ignore_eos": True, **penalties})
+    want = offline.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, **penalties))[0].text
+    assert status == 200 and out["choices"][0]["text"] == want, "penalties reach the engine's sampler"
     status, out = request(server, "GET", "/v1/models")
     model = out["data"][0]
     assert model["id"] == server.app.state.model and model["root"] == server.engine.llm.path
@@ -863,7 +864,8 @@ DEEP = b"[" * 100000 + b"]" * 100000
     ("/v1/completions", {"prompt": "hi", "stream_options": {"bogus": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos"),
     ("/v1/completions", {"prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 2}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0.0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3.0}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [[1, 2], []]}, 400, "prompt"),

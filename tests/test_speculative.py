@@ -296,10 +296,14 @@ def test_cache_holds_exactly_the_accepted_tokens(tiny_path, bad_draft_path):
 @pytest.mark.needs("engine", "sampler", "copy-on-write", "ngram-drafter")
 def test_sampled_speculation_with_forks_finishes_without_leaks(tiny_path):
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=5)
-    p = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=0, ignore_eos=True, n=2)
+    # repetition_penalty < 1 makes the random tiny model repeat itself: without it no n-gram recurs,
+    # nothing is drafted, and this test would not reach the rejection rule at all
+    p = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=0, ignore_eos=True, n=2,
+                       repetition_penalty=0.5)
     outs = llm.generate(["a a a a b b b b a a a a b b"] * 3, p)
     assert all(len(c.token_ids) == 30 for o in outs for c in o.outputs)
     assert all(o.finish_reason == "length" for o in outs)
+    assert 0 < llm.stats["accepted_tokens"] < llm.stats["draft_tokens"], "sampled drafts were meant to be judged"
     assert_no_leak(llm)
 
 
