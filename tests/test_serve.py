@@ -62,6 +62,8 @@ from scheduler import LLM, SamplingParams
 from serve import exposure_warning, make_server, one_shot
 from support.server import drain
 
+import assignments  # noqa: E402  (tests/ is on sys.path)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every test here talks to an engine thread (LLM() sizes its KV pool first): an
@@ -96,7 +98,9 @@ def small_llm(tiny_path):
     """A 2-seat engine for servers with special limits, one server at a time."""
     llm = LLM(tiny_path, device="cpu", dtype="float32", max_num_seqs=2, kv_cache_bytes=1 << 22)
     yield llm
-    assert not llm.has_unfinished_requests(), "a test left requests in the engine"
+    # In a student's copy a test blocked by an unfinished assignment (an SSE stream that raises
+    # before its abort) may leave its request: that is its blocker's, not the last test's, failure.
+    assert not llm.has_unfinished_requests() or assignments.unfinished(ROOT), "a test left requests in the engine"
 
 
 @pytest.fixture(scope="module")
@@ -1342,7 +1346,7 @@ def test_drain_finishes_in_flight_requests_and_aborts_the_rest(small_llm):
         assert wait_all_free(small_llm)
 
 
-@pytest.mark.needs("engine", "sse-stream")
+@pytest.mark.needs("engine", "sampler", "sse-stream")     # a server process: its failures show only as timeouts
 def test_sigterm_drains_and_exits_0(tiny_path):
     env = {**os.environ, "NANOINFER_API_KEY": "k", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "serve.py", "--model", tiny_path, "--port", "0", "--device", "cpu",
