@@ -17,7 +17,7 @@ tokens share blocks (prefix caching, found by hashing full blocks); n samples
 of a prompt share its blocks until one writes into a shared one (copy-on-write);
 a sliding window (Mistral) gives back the blocks that no query can see any more.
 
-Place in the data flow (one engine step, scheduler.py):
+Place in the data flow (one engine step, engine.py):
     BlockManager.reserve   -> blocks for the new tokens in each block table
     flatten_step           -> input_ids, positions, the slot of every new token
     model layer l: ctx.attend(l, q, k, v), ctx an AttentionContext: KVCache.write
@@ -45,7 +45,8 @@ from support.checks import check_positive_ints
 def kv_cache_bytes(cfg, dtype, num_tokens: int = 1) -> int:
     """2 * layers * kv_heads * head_dim * bytes_per_value * tokens."""
     # assignment: kv-cache-bytes
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8 * num_tokens
+    bytes_per_value = torch.finfo(dtype).bits // 8
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_value * num_tokens
     # end assignment
 
 
@@ -58,30 +59,21 @@ def num_blocks_for_budget(bytes_per_token: int, block_size: int, budget_bytes: i
 
 
 # --- KVCache: the storage ------------------------------------------------------
-# The one in-place write into the pool, a custom op that declares what it
-# mutates: torch.compile (kernels.py) functionalizes in-place updates of its
-# inputs, so a bare index_copy_ would copy the whole pool at every write.
-@torch.library.custom_op("nanoinfer::store_rows", mutates_args=("dst",))
-def store_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
-    """dst viewed as rows [num_slots, *src.shape[1:]]: dst[slots[i]] = src[i]."""
-    dst.view(-1, *src.shape[1:]).index_copy_(0, slots, src)
-
-
-store_rows.register_fake(lambda dst, slots, src: None)     # for the compiler: the op returns nothing
-
-
 class KVCache:
     """K and V of every layer: [layers, num_blocks, block_size, n_kv_heads, head_dim]. A token's
     slot, block_id * block_size + offset, is a row of a layer's pool viewed as [slots, n_kv, d]."""
-    storage_dtype = None       # K, V kept in the model's dtype (Int8KVCache: int8; blocks() returns dtype)
+    storage_dtype = None       # K, V in the model's dtype (Int8KVCache: int8; blocks() gives dtype)
 
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
         if num_blocks < 1:
             raise ValueError("the KV cache budget is too small for a single block")
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k, self.v = (torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype) for _ in "kv")
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        self.sliding_window = cfg.sliding_window      # Mistral's W or None: every attention over it masks by it
+        self.k = torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype)
+        self.v = torch.zeros_like(self.k)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.sliding_window = cfg.sliding_window   # Mistral's W or None: attention masks by it
         self.bytes_per_token = kv_cache_bytes(cfg, dtype)
 
     def pools(self) -> list[torch.Tensor]:
@@ -109,6 +101,18 @@ class KVCache:
             t[:, dst] = t[:, src]
 
 
+# KVCache.write's one in-place write into the pool, a custom op that declares what it
+# mutates: torch.compile (kernels.py) functionalizes in-place updates of its
+# inputs, so a bare index_copy_ would copy the whole pool at every write.
+@torch.library.custom_op("nanoinfer::store_rows", mutates_args=("dst",))
+def store_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """dst viewed as rows [num_slots, *src.shape[1:]]: dst[slots[i]] = src[i]."""
+    dst.view(-1, *src.shape[1:]).index_copy_(0, slots, src)
+
+
+store_rows.register_fake(lambda dst, slots, src: None)   # for the compiler: it returns nothing
+
+
 # --- Reference paged attention -------------------------------------------------
 def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query_lens):
     """Each sequence's new queries attend over its own paged KV. q: [N, H, d], the B
@@ -123,13 +127,16 @@ def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query
     start = 0
     for b, (seq_len, n_q) in enumerate(zip(seq_lens, query_lens)):
         n_blocks = math.ceil(seq_len / cache.block_size)
-        k, v = (t.flatten(0, 1)[:seq_len] for t in cache.blocks(layer, block_tables[b, :n_blocks]))  # [T, n_kv, d]
+        k, v = cache.blocks(layer, block_tables[b, :n_blocks])    # [n_blocks, bs, n_kv, d]
+        k, v = k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]           # [T, n_kv, d]
         qg = q[start:start + n_q].view(n_q, n_kv, H // n_kv, d)              # [n_q, n_kv, G, d]
-        scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float()) / math.sqrt(d)  # [n_kv, G, n_q, T]
+        scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float()) / math.sqrt(d)
+        # scores: [n_kv, G, n_q, T]
         q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)
         visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]    # [n_q, T]
-        if cache.sliding_window:                                             # Mistral: the last W only
-            visible &= in_window(q_pos, torch.arange(seq_len, device=q.device), cache.sliding_window)
+        if cache.sliding_window:                                     # Mistral: the last W only
+            k_pos = torch.arange(seq_len, device=q.device)
+            visible &= in_window(q_pos, k_pos, cache.sliding_window)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         o = torch.einsum("hgqk,khd->qhgd", probs, v.float())                 # [n_q, n_kv, G, d]
         out[start:start + n_q] = o.reshape(n_q, H, d).to(q.dtype)
@@ -154,23 +161,26 @@ class AttentionContext:
     block_tables: torch.Tensor         # [B, M] physical block ids per sequence (padded)
     seq_lens: list                     # [B] tokens in cache after this step
     query_lens: list                   # [B] new tokens in this step
-    logits_indices: torch.Tensor | None = None   # [R] rows of the flat batch that need logits (None: all)
+    logits_indices: torch.Tensor | None = None   # [R] rows that need logits (None: all)
 
     def attend(self, layer: int, q, k, v):
         self.cache.write(layer, self.slot_mapping, k, v)   # write first: a token sees itself
-        return paged_attention(q, self.cache, layer, self.block_tables, self.seq_lens, self.query_lens)
+        return paged_attention(q, self.cache, layer, self.block_tables, self.seq_lens,
+                               self.query_lens)
 
     @classmethod
     def build(cls, cache: KVCache, block_manager: "BlockManager", work, logits_rows, device):
         """input_ids[N], positions[N] and a context for `work` (as flatten_step's): the
         simple builder (tests, bench.py); the engine's fast one is kernels.StepInputs."""
         apply_pending_copies(cache, block_manager)
-        tables = pad_sequence([torch.tensor(block_manager.tables[w[0]]) for w in work], batch_first=True)  # [B, W]
-        ids, positions, slots, query_lens, seq_lens = flatten_step(work, tables.numpy(), np.arange(len(work)),
-                                                                   block_manager.block_size)
+        tables = pad_sequence([torch.tensor(block_manager.tables[w[0]]) for w in work],
+                              batch_first=True)                                # [B, W]
+        ids, positions, slots, query_lens, seq_lens = flatten_step(
+            work, tables.numpy(), np.arange(len(work)), block_manager.block_size)
         on_device = functools.partial(torch.as_tensor, device=device)
-        ctx = cls(cache, on_device(slots), tables.to(device), seq_lens.tolist(), query_lens.tolist(),
-                  torch.tensor(logits_rows, device=device, dtype=torch.long))
+        rows = torch.tensor(logits_rows, device=device, dtype=torch.long)
+        ctx = cls(cache, on_device(slots), tables.to(device), seq_lens.tolist(),
+                  query_lens.tolist(), rows)
         return on_device(ids), on_device(positions), ctx
 
 
@@ -184,11 +194,12 @@ def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
     query_lens = np.array([len(w[1]) for w in work], dtype=np.int64)
     starts = np.array([w[2] for w in work], dtype=np.int64)
     N = int(query_lens.sum())
-    first = np.cumsum(query_lens) - query_lens                        # where each sequence starts in [N]
+    first = np.cumsum(query_lens) - query_lens                        # each sequence's start in [N]
     positions = np.repeat(starts - first, query_lens) + np.arange(N)   # start_b, start_b + 1, ...
     token_rows = np.repeat(rows, query_lens)                          # each token's row of `tables`
     slots = tables[token_rows, positions // block_size] * block_size + positions % block_size
-    input_ids = np.fromiter(itertools.chain.from_iterable(w[1] for w in work), dtype=np.int64, count=N)
+    fed = itertools.chain.from_iterable(w[1] for w in work)
+    input_ids = np.fromiter(fed, dtype=np.int64, count=N)
     return input_ids, positions, slots, query_lens, starts + query_lens
 
 
@@ -198,14 +209,17 @@ class BlockManager:
     prefix-cache key is hash((parent block's key, its token ids)): chaining makes the key
     name the whole prefix, not just the block; collisions are caught by comparing tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window=None):
-        check_positive_ints(block_size=block_size, sliding_window=1 if sliding_window is None else sliding_window)
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window=None):
+        check_positive_ints(block_size=block_size,
+                            sliding_window=1 if sliding_window is None else sliding_window)
         if num_blocks < 1:
             raise ValueError("the KV cache has no blocks")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks             # sequences using each block (0: free)
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # LRU first
+        self.free_blocks = OrderedDict.fromkeys(range(num_blocks))   # least recently used first
         self.tables: dict[int, list[int]] = {}        # seq -> block table (logical -> physical)
         self.block_key: dict[int, tuple] = {}        # block -> (hash, parent hash, tokens)
         self.cached: dict[int, int] = {}             # prefix cache: hash of a full block -> block
@@ -217,8 +231,10 @@ class BlockManager:
         # Sequences whose table changed since the engine last looked: kernels.StepInputs
         # refreshes only their rows of its table array (and empties the set).
         self.changed: set[int] = set()
-        # Sliding window (W or None): reserve() points freed entries at the null block: held, never written.
-        self.sliding_window, self.null_block = sliding_window, (self._take_free() if sliding_window else None)
+        # Sliding window (W or None): reserve() points freed entries at the null block, held by
+        # the manager itself and never written.
+        self.sliding_window = sliding_window
+        self.null_block = self._take_free() if sliding_window else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -253,9 +269,10 @@ class BlockManager:
 
     # -- per sequence --------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: list[int], use_prefix_cache: bool = True) -> int:
-        """Start a block table for a new (or re-admitted) sequence, reusing every leading FULL block in the
-        prefix cache; return how many tokens that computed (never the last: the engine needs its logits).
-        use_prefix_cache=False (prompt logprobs need every position) reads no entry; registration is unchanged."""
+        """Start a block table for a new (or re-admitted) sequence, reusing every leading FULL
+        block in the prefix cache; return how many tokens that computed (never the last: the
+        engine needs its logits). use_prefix_cache=False (prompt logprobs need every position)
+        reads no entry; registration is unchanged."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
         table = []
@@ -277,7 +294,7 @@ class BlockManager:
                 parent = h
             # end assignment
         self.tables[seq_id] = table
-        self.hashed[seq_id] = (len(table), parent if table else None)   # hits are registered already
+        self.hashed[seq_id] = (len(table), parent if table else None)   # hits: registered already
         self.changed.add(seq_id)
         return len(table) * self.block_size
 
@@ -286,7 +303,8 @@ class BlockManager:
         the end of the table, plus a private copy of each shared block written?"""
         table, bs = self.tables[seq_id], self.block_size
         end_block = math.ceil((start + count) / bs)
-        shared = sum(self.ref_count[table[i]] > 1 for i in range(start // bs, min(len(table), end_block)))
+        written = range(start // bs, min(len(table), end_block))
+        shared = sum(self.ref_count[table[i]] > 1 for i in written)
         return max(0, end_block - len(table)) + shared <= len(self.free_blocks)
 
     def reserve(self, seq_id: int, start: int, count: int):
@@ -294,19 +312,20 @@ class BlockManager:
         the table, and a private copy of each block written that is shared after a
         fork (copy-on-write: the engine copies the data via pending_copies)."""
         table, bs = self.tables[seq_id], self.block_size
-        if self.sliding_window:       # no query from `start` on sees a position < start - W + 1: free those blocks
+        # No query from `start` on sees a position < start - W + 1: free the blocks wholly before.
+        if self.sliding_window:
             # assignment: sliding-window
             for i in reversed(range((start - self.sliding_window + 1) // bs)):    # newest first
                 if table[i] == self.null_block:
-                    break                                  # freed before, as is every block before it
+                    break                              # freed before, as is every block before
                 self._release(table[i])
-                table[i] = self.null_block                 # each entry holds a reference, like any block
+                table[i] = self.null_block             # each entry holds a reference, as any
                 self.ref_count[self.null_block] += 1
                 self.changed.add(seq_id)
             # end assignment
         if not self.can_append(seq_id, start, count):
-            raise RuntimeError(f"sequence {seq_id}: the KV pool has no free blocks for {count} more "
-                               f"tokens ({len(self.free_blocks)} free of {self.num_blocks})")
+            raise RuntimeError(f"sequence {seq_id}: the KV pool has no free blocks for {count} "
+                               f"more tokens ({len(self.free_blocks)} free of {self.num_blocks})")
         for i in range(start // bs, min(len(table), math.ceil((start + count) / bs))):
             if self.ref_count[table[i]] > 1:         # shared block about to be written
                 # assignment: copy-on-write
@@ -316,8 +335,10 @@ class BlockManager:
                 table[i] = new
                 self.changed.add(seq_id)
                 # end assignment
-            elif table[i] in self.block_key:         # registered, rewritten in place: truncate() kept it while
-                self._forget(table[i])               # shared, then its sharers left; it names that prefix no more
+            elif table[i] in self.block_key:
+                # registered, rewritten in place: truncate() kept it while shared, then its
+                # sharers left; it names that prefix no more
+                self._forget(table[i])
         # assignment: block-allocation
         while len(table) * bs < start + count:
             table.append(self._take_free())
@@ -335,7 +356,8 @@ class BlockManager:
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int):
         """After a step: register the blocks now full and computed in the prefix cache
         for later sequences; resumes after last time's blocks: O(new blocks)."""
-        if not self.enable_prefix_caching or self.null_block in self.tables[seq_id][self.hashed.get(seq_id, (0,))[0]:]:
+        unregistered = self.tables[seq_id][self.hashed.get(seq_id, (0,))[0]:]
+        if not self.enable_prefix_caching or self.null_block in unregistered:
             return      # (or the window freed a block before it was registered: the chain is lost)
         # assignment: prefix-caching
         table, bs = self.tables[seq_id], self.block_size
@@ -375,7 +397,7 @@ class BlockManager:
         if num_tokens % self.block_size and table and self.ref_count[table[-1]] == 1:
             self._forget(table[-1])                 # now only partly valid: no longer a full block
         full = num_tokens // self.block_size
-        if self.hashed.get(seq_id, (0, None))[0] > full:   # registered blocks past the cut: re-derive the chain
+        if self.hashed.get(seq_id, (0, None))[0] > full:   # registered past the cut: re-derive
             key = self.block_key.get(table[full - 1]) if full else None
             self.hashed[seq_id] = (full, key[0]) if key else (0, None)
         self.changed.add(seq_id)
@@ -396,15 +418,18 @@ class BlockManager:
         table = self.tables.pop(seq_id)
         for block in reversed(table):
             self._release(block)
-        self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in table]   # never copy into it
+        # never copy into a block given back
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in table]
         self.hashed.pop(seq_id, None)
         self.changed.add(seq_id)
         # end assignment
 
     def check_invariants(self):
         """Consistency of the bookkeeping; tests call this after every operation."""
-        counts = Counter([b for table in self.tables.values() for b in table] + [self.null_block])   # + its own hold
-        assert [counts[b] for b in range(self.num_blocks)] == self.ref_count, "ref counts disagree with the tables"
-        assert set(self.free_blocks) == {b for b in range(self.num_blocks) if self.ref_count[b] == 0}
+        held = [b for table in self.tables.values() for b in table] + [self.null_block]
+        counts = Counter(held)
+        assert [counts[b] for b in range(self.num_blocks)] == self.ref_count, \
+            "ref counts disagree with the tables"
+        assert set(self.free_blocks) == {b for b in range(self.num_blocks) if not self.ref_count[b]}
         for h, b in self.cached.items():
             assert self.block_key[b][0] == h

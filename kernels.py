@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cache import flatten_step
+from support.gpu import jit, tl, triton
 
 STRICT_SDPA = False     # True (bench.py --strict-sdpa): on CUDA, SDPA falling back to its math backend raises
 BACKEND = "inductor"    # torch.compile's backend (tests/cuda_sim.py: "aot_eager", whose aten ops it sees)
@@ -157,6 +158,105 @@ def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
     # may hold anything (padding, a stale block), so its values are zeroed, not trusted.
     out = torch.where(visible[..., None], p[..., None] * v, 0.0).sum(2)             # [B, Q, n_kv, G, d]
     return out.reshape(B, Q, H, d).to(q.dtype)
+
+
+# --- On CUDA, the same function as ONE Triton kernel: flash-decoding over pages -------
+@jit
+def _paged_decode_kernel(q, k, v, tables, q_pos, out, m_out, l_out, scale, window, W, chunk,
+                         sq_b, sq_q, sq_h, sk_blk, sk_tok, sk_h, so_s, so_b, so_q, so_h,   # strides
+                         Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr,
+                         ONE_SPLIT: tl.constexpr):  # pragma: no cover (compiled for a GPU by Triton)
+    """Program (b, h, s): the Q*G queries of sequence b that share KV head h, against keys
+    [s*chunk, (s+1)*chunk) of its pages. Each K, V row is read ONCE, through the block table,
+    for all G heads; an online softmax keeps a running max m, sum l and unnormalized output acc.
+    One split: the output itself. Several: (acc, m, l) per split, for _combine_splits_kernel."""
+    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = tl.arange(0, BLOCK_M)                           # row m = query i * G + head g (padded to 16)
+    i, real = m // G, m < Q * G
+    d = tl.arange(0, D)
+    qv = tl.load(q + b * sq_b + i[:, None] * sq_q + (h * G + m % G)[:, None] * sq_h + d[None, :],
+                 mask=real[:, None], other=0.0)                                          # [BLOCK_M, D]
+    pos = tl.load(q_pos + b * Q + i, mask=real, other=0)                                 # [BLOCK_M]
+    last = tl.load(q_pos + b * Q + Q - 1)               # the last query's position (the largest): no key past it
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)         # finite: a row whose tile is all masked adds 0
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    end = tl.minimum(s * chunk + chunk, last + 1)      # this split's keys: [s * chunk, end)
+    for start in range(s * chunk, end, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)                                                # key positions
+        inside = t < end
+        page = tl.load(tables + b * W + t // BS, mask=inside, other=0)
+        row = page * sk_blk + (t % BS) * sk_tok + h * sk_h                               # gather: K row t
+        kt = tl.load(k + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)    # [BLOCK_T, D]
+        vt = tl.load(v + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)
+        scores = tl.dot(qv, tl.trans(kt), input_precision="ieee" if EXACT else "tf32") * scale
+        seen = (t[None, :] <= pos[:, None]) & inside[None, :]                            # causal
+        seen &= (window == 0) | (t[None, :] > pos[:, None] - window)                     # sliding window
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)                     # rescale what was summed under the old max
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee" if EXACT else "tf32")
+        m_i = m_new
+    o = s * so_s + b * so_b + i * so_q + (h * G + m % G) * so_h         # this split's row of each output
+    if ONE_SPLIT:                                       # softmax(q k^T) v, in q's dtype
+        tl.store(out + o[:, None] * D + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
+                 mask=real[:, None])
+    else:
+        tl.store(out + o[:, None] * D + d[None, :], acc, mask=real[:, None])
+        tl.store(m_out + o, m_i, mask=real)
+        tl.store(l_out + o, l_i, mask=real)
+
+
+@jit
+def _combine_splits_kernel(acc, m, l, out, S, rows, D: tl.constexpr,
+                           BLOCK_S: tl.constexpr):  # pragma: no cover (compiled for a GPU by Triton)
+    """Row r of the output from its S splits: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max m_s."""
+    r, s, d = tl.program_id(0), tl.arange(0, BLOCK_S), tl.arange(0, D)
+    ms = tl.load(m + s * rows + r, mask=s < S, other=float("-inf"))                      # [BLOCK_S]
+    w = tl.exp(ms - tl.max(ms, axis=0))                                                  # each split's share
+    ls = tl.load(l + s * rows + r, mask=s < S, other=0.0)
+    a = tl.load(acc + (s * rows + r)[:, None] * D + d[None, :], mask=(s < S)[:, None], other=0.0)
+    tl.store(out + r * D + d, (tl.sum(a * w[:, None], axis=0) / tl.sum(ls * w, axis=0)).to(out.dtype.element_ty))
+
+
+@torch.library.custom_op("nanoinfer::paged_decode", mutates_args=())
+def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+                 q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """paged_attention_in_place's function as Triton kernels (CUDA; a custom op, so torch.compile
+    calls it as it is): q [B, Q, H, d], k, v [1, blocks, bs, n_kv, d] (a layer's pool), block_tables
+    [B, W], q_pos [B, Q], window (0: none) -> [B, Q, H, d]."""
+    return launch_paged_decode(q, k, v, block_tables, q_pos, window)
+
+
+def launch_paged_decode(q, k, v, block_tables, q_pos, window: int, splits: int | None = None):
+    """Flash-decoding: with few (sequence, KV head) pairs to go round (batch 1: n_kv programs), the
+    keys are split so that about two programs run per multiprocessor; the splits' (acc, max, sum)
+    are combined exactly as one softmax over all the keys. Enough pairs: one split, one kernel."""
+    (B, Q, H, d), (bs, n_kv), W = q.shape, k.shape[2:4], block_tables.shape[1]
+    BLOCK_T = 64
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        splits = max(1, min(-(-2 * sms // (B * n_kv)), -(-W * bs // 256)))     # >= 256 keys a split
+    chunk = -(-(-(-W * bs // splits)) // BLOCK_T) * BLOCK_T                       # keys per split
+    out = torch.empty_like(q) if splits == 1 else \
+        torch.empty(splits, B, Q, H, d, device=q.device, dtype=torch.float32)   # per split: sum p v,
+    m, l = (torch.empty(splits, B, Q, H, device=q.device, dtype=torch.float32) for _ in "ml")   # max, sum p
+    _paged_decode_kernel[(B, n_kv, splits)](
+        q, k, v, block_tables, q_pos, out, m, l, 1 / math.sqrt(d), window, W, chunk,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2), k.stride(3), *m.stride()[:4],
+        Q=Q, G=H // n_kv, D=d, BS=bs, BLOCK_M=max(16, triton.next_power_of_2(Q * H // n_kv)),
+        BLOCK_T=BLOCK_T, EXACT=q.dtype == torch.float32, ONE_SPLIT=splits == 1)
+    if splits == 1:
+        return out
+    final, rows = torch.empty_like(q), B * Q * H
+    _combine_splits_kernel[(rows,)](out, m, l, final, splits, rows, D=d, BLOCK_S=triton.next_power_of_2(splits))
+    return final
+
+
+paged_decode.register_fake(lambda q, k, v, block_tables, q_pos, window: torch.empty_like(q))
 
 
 # --- Step inputs: numpy on the host, one copy to the device --------------------
@@ -323,7 +423,12 @@ class LayerContext:
         # seen in tracing (layer 0's), unguarded: other layers' writes would land in a copy of layer 0.
         self.cache.write(slice(None), self.slot_mapping, k, v)
         B, Q = self.q_pos.shape
-        out = paged_attention_in_place(q.view(B, Q, *q.shape[1:]), self.cache, 0, self.block_tables, self.q_pos)
+        q = q.view(B, Q, *q.shape[1:])
+        if q.device.type == "cuda" and triton is not None and self.cache.storage_dtype is None:   # one kernel
+            out = paged_decode(q, self.cache.k, self.cache.v, self.block_tables, self.q_pos,
+                               self.cache.sliding_window or 0)
+        else:
+            out = paged_attention_in_place(q, self.cache, 0, self.block_tables, self.q_pos)
         return out.flatten(0, 1)                                       # [B*Q, H, d]
 
 
@@ -346,7 +451,10 @@ class CompiledModel:
         self.embed_tokens, self.norm = model.embed_tokens, model.norm
         # Each model and dtype compiled in one process adds variants; dynamo's default limit is 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        block, head = (torch.compile(f, fullgraph=True, backend=BACKEND) for f in (_block, _head))
+        # Inductor's coalescing analysis (torch 2.11-2.13) asserts on this block's dynamic shapes at
+        # Llama-3.1-8B's width on CUDA ("failed to set ranges", seen on an H200): it only picks tilings.
+        opts = {"options": {"triton.coalesce_tiling_analysis": False}} if BACKEND == "inductor" else {}
+        block, head = (torch.compile(f, fullgraph=True, backend=BACKEND, **opts) for f in (_block, _head))
         self.layers = [functools.partial(self._run_block, block, i, b) for i, b in enumerate(model.layers)]
         self.lm_head = lambda x: head(model.lm_head, dynamic(x, 0))
 

@@ -268,6 +268,22 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
     return out
 
 
+# --- What a token costs: the roofline's FLOPs ---------------------------------------
+
+def model_flops_per_token(cfg: ModelConfig, context: int) -> float:
+    """FLOPs to run one token through the model at a `context`-token position: 2 FLOPs
+    (a multiply and an add) per weight of every matmul, plus attention's QK^T and PV over
+    the context. Over the bytes a step reads it is the step's arithmetic intensity: a
+    decode step of B sequences does B x this for one read of the weights (experiments/roofline.py)."""
+    # assignment: roofline
+    d, h, kv, hd, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    # q, k, v, o projections + gate, up, down (each 2 * in * out), then attention:
+    # QK^T and PV are each 2 * H * head_dim FLOPs per cached token.
+    per_layer = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f) + 4 * h * hd * context
+    return cfg.n_layers * per_layer + 2 * d * cfg.vocab_size
+    # end assignment
+
+
 # --- Loading: a short door into support/checkpoint.py -----------------------------
 
 def read_config(path) -> ModelConfig:

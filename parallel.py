@@ -50,8 +50,8 @@ import torch.nn as nn
 from cache import kv_cache_bytes
 from model import ModelConfig, load_model, read_config
 from quantize import Int8Linear, make_kv_cache, quantize_model
-from support.checks import check_kv_pool_args, check_shardable, check_tensor_parallel  # noqa: F401 (bench.py's)
-from support.workers import (CollectiveCounters, TensorParallelError, WorkerGroup,  # noqa: F401 (re-exported)
+from support.checks import check_kv_pool_args, check_shardable, check_tensor_parallel
+from support.workers import (CollectiveCounters, TensorParallelError, WorkerGroup,  # noqa: F401
                              WorkerSpec, serve_worker)
 
 # --- The collectives ----------------------------------------------------------
@@ -65,10 +65,14 @@ class Collectives(CollectiveCounters):
 
     def __init__(self, rank: int, world_size: int, group=None):
         super().__init__()
-        self.rank, self.world_size, self.group = rank, world_size, group
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
 
     def _call(self, x, fn, *args):
-        return self.timed(x, fn, *args, group=self.group) if self.timing else fn(*args, group=self.group)
+        if self.timing:
+            return self.timed(x, fn, *args, group=self.group)
+        return fn(*args, group=self.group)
 
     def all_reduce(self, x):
         """Elementwise sum over ranks, in place; every rank gets the result."""
@@ -85,7 +89,8 @@ class Collectives(CollectiveCounters):
         out = x.new_empty(self.world_size * x.shape[0], *x.shape[1:])            # [N * rows, V/N]
         self._call(x, _all_gather, out, x)
         rows, cols = x.shape
-        return out.view(self.world_size, rows, cols).transpose(0, 1).reshape(rows, self.world_size * cols)
+        out = out.view(self.world_size, rows, cols).transpose(0, 1)              # [rows, N, V/N]
+        return out.reshape(rows, self.world_size * cols)
 
 
 # --- The parallel layers: each keeps its slice in an inner nn.Linear / Int8Linear / nn.Embedding,
@@ -93,11 +98,14 @@ class Collectives(CollectiveCounters):
 # weights in place; quantize.decode_weight_bytes counts them).
 
 def _narrow_(module: nn.Module, name: str, dim: int, rank: int, world_size: int):
-    """Keep rank's 1/world_size of module.<name> along dim, in place: a copy, since a view keeps all alive."""
+    """Keep rank's 1/world_size of module.<name> along dim, in place: a copy, since a view
+    keeps the whole tensor alive."""
     t = getattr(module, name)
     size = t.shape[dim] // world_size
     piece = t.detach().narrow(dim, rank * size, size).clone()
-    setattr(module, name, nn.Parameter(piece, requires_grad=False) if isinstance(t, nn.Parameter) else piece)
+    if isinstance(t, nn.Parameter):
+        piece = nn.Parameter(piece, requires_grad=False)
+    setattr(module, name, piece)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -113,7 +121,8 @@ class ColumnParallelLinear(nn.Module):
                 _narrow_(linear, name, 0, rank, world_size)
         linear.out_features //= world_size
         # end assignment
-        self.linear, self.comm = linear, comm                    # [out/N, in]; comm: the head's all-gather
+        self.linear = linear                                     # [out/N, in]
+        self.comm = comm                                         # the head's all-gather
 
     def forward(self, x):                                        # [T, in] -> [T, out/N]
         return self.linear(x)
@@ -151,8 +160,10 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         _narrow_(embedding, "weight", 0, rank, world_size)       # [V/N, D]
         embedding.num_embeddings //= world_size
-        self.embed, self.comm = embedding, comm
-        self.start, self.end = rank * embedding.num_embeddings, (rank + 1) * embedding.num_embeddings
+        self.embed = embedding
+        self.comm = comm
+        self.start = rank * embedding.num_embeddings             # its ids: [start, end)
+        self.end = self.start + embedding.num_embeddings
 
     @property
     def weight(self):                                            # the table a tied head shares
@@ -183,7 +194,8 @@ def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
     """One rank's config (and KV cache shape): its heads, KV heads and FFN columns; dim,
     layers, head_dim and vocab_size stay whole, as every rank sees [T, D], ids and logits."""
     return dataclasses.replace(cfg, n_heads=cfg.n_heads // world_size,
-                               n_kv_heads=cfg.n_kv_heads // world_size, ffn_dim=cfg.ffn_dim // world_size)
+                               n_kv_heads=cfg.n_kv_heads // world_size,
+                               ffn_dim=cfg.ffn_dim // world_size)
 
 
 def shard_model(model, rank: int, world_size: int, comm: Collectives | None = None):
@@ -196,18 +208,23 @@ def shard_model(model, rank: int, world_size: int, comm: Collectives | None = No
     tied = model.lm_head.weight is model.embed_tokens.weight
     for block in model.layers:
         a, m = block.self_attn, block.mlp
-        a.q_proj, a.k_proj, a.v_proj = (ColumnParallelLinear(p, rank, world_size)        # own heads
-                                        for p in (a.q_proj, a.k_proj, a.v_proj))
-        a.o_proj = RowParallelLinear(a.o_proj, rank, world_size, comm)                    # all-reduce #1
-        a.n_heads, a.n_kv_heads = a.n_heads // world_size, a.n_kv_heads // world_size
-        m.gate_proj, m.up_proj = (ColumnParallelLinear(p, rank, world_size) for p in (m.gate_proj, m.up_proj))
-        m.down_proj = RowParallelLinear(m.down_proj, rank, world_size, comm)              # all-reduce #2
+        a.q_proj = ColumnParallelLinear(a.q_proj, rank, world_size)          # its own heads
+        a.k_proj = ColumnParallelLinear(a.k_proj, rank, world_size)
+        a.v_proj = ColumnParallelLinear(a.v_proj, rank, world_size)
+        a.o_proj = RowParallelLinear(a.o_proj, rank, world_size, comm)       # all-reduce #1
+        a.n_heads //= world_size
+        a.n_kv_heads //= world_size
+        m.gate_proj = ColumnParallelLinear(m.gate_proj, rank, world_size)    # its FFN columns
+        m.up_proj = ColumnParallelLinear(m.up_proj, rank, world_size)
+        m.down_proj = RowParallelLinear(m.down_proj, rank, world_size, comm) # all-reduce #2
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, rank, world_size, comm)
     model.lm_head = VocabParallelHead(model.lm_head, rank, world_size, comm)
     if tied:          # one table: the head sliced the same rows; keep a single copy of them
         model.lm_head.linear.weight = model.embed_tokens.weight
     model.full_config, model.config = cfg, shard_config(cfg, world_size)
-    model.tp_rank, model.tp_world_size, model.tp_comm = rank, world_size, comm
+    model.tp_rank = rank
+    model.tp_world_size = world_size
+    model.tp_comm = comm
     return model
 
 
@@ -222,45 +239,49 @@ def load_shard(path: str, rank: int, world_size: int, device, dtype, quantizatio
 
 # --- The lecture's arithmetic, for models too big to run here (bench.py) ------------
 # Link bandwidths in bytes per second ONE way (a ring all-reduce sends and receives at once):
-NVLINK_H100_SXM = 450e9   # NVIDIA H100 SXM datasheet: NVLink 900 GB/s, i.e. both directions together
+NVLINK_H100_SXM = 450e9   # NVIDIA H100 SXM datasheet: NVLink 900 GB/s, both directions together
 PCIE_GEN5_X16 = 64e9      # PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b coding = 63 GB/s each way
-HBM_H100_SXM = 3.35e12    # NVIDIA H100 SXM datasheet: HBM3 3.35 TB/s, to compare the weight read with
+HBM_H100_SXM = 3.35e12    # NVIDIA H100 SXM datasheet: HBM3 3.35 TB/s (to read the weights)
 
 
 def weight_bytes_per_rank(cfg: ModelConfig, world_size: int, bytes_per_value: int) -> int:
     """Bytes of weights one rank holds: matrices split N ways, norms and o biases replicated."""
     D, L, H, KV, d, F_, V = (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads,
                              cfg.head_dim, cfg.ffn_dim, cfg.vocab_size)
-    split = L * (D * H * d + 2 * D * KV * d + H * d * D + 3 * D * F_)        # q, k, v, o, gate, up, down
+    split = L * (D * H * d + 2 * D * KV * d + H * d * D + 3 * D * F_)   # q, k, v, o, gate, up, down
     split += V * D * (1 if cfg.tie_embeddings else 2)                        # embedding (+ head)
     replicated = L * 2 * D + D                                               # RMSNorm weights
     if cfg.attention_bias:
         split += L * (H + 2 * KV) * d                                        # q, k, v biases
-        replicated += L * D                                                  # o bias, added after the sum
+        replicated += L * D                                                  # o bias: after the sum
     return (split // world_size + replicated) * bytes_per_value
 
 
 def tensor_parallel_cost(cfg: ModelConfig, world_size: int, tokens: int, dtype=torch.bfloat16,
-                         link_bytes_per_s: float = NVLINK_H100_SXM, hbm_bytes_per_s: float = HBM_H100_SXM) -> dict:
+                         link_bytes_per_s: float = NVLINK_H100_SXM,
+                         hbm_bytes_per_s: float = HBM_H100_SXM) -> dict:
     """The module docstring's arithmetic for one step of `tokens` tokens on N ranks.
     allreduce_seconds is a lower bound (each of the 2L calls also pays a latency,
     which dominates at small batch); weight_read_seconds the decode step's memory bound."""
     check_tensor_parallel(cfg, world_size)         # e.g. 8 KV heads do not split 16 ways
     b = torch.finfo(dtype).bits // 8
-    payload = 2 * cfg.n_layers * tokens * cfg.dim * b                        # two [tokens, D] per layer
-    ring = 2 * (world_size - 1) / world_size * payload                       # reduce-scatter + all-gather
+    payload = 2 * cfg.n_layers * tokens * cfg.dim * b               # two [tokens, D] per layer
+    ring = 2 * (world_size - 1) / world_size * payload              # reduce-scatter + all-gather
     weights = weight_bytes_per_rank(cfg, world_size, b)
-    return {"world_size": world_size, "tokens": tokens, "bytes_per_value": b, "weight_bytes_per_rank": weights,
+    return {"world_size": world_size, "tokens": tokens, "bytes_per_value": b,
+            "weight_bytes_per_rank": weights,
             "kv_bytes_per_token_per_rank": kv_cache_bytes(shard_config(cfg, world_size), dtype),
-            "allreduce_calls": 2 * cfg.n_layers, "allreduce_bytes": payload, "ring_bytes_per_rank": ring,
-            "allreduce_seconds": ring / link_bytes_per_s, "weight_read_seconds": weights / hbm_bytes_per_s}
+            "allreduce_calls": 2 * cfg.n_layers, "allreduce_bytes": payload,
+            "ring_bytes_per_rank": ring, "allreduce_seconds": ring / link_bytes_per_s,
+            "weight_read_seconds": weights / hbm_bytes_per_s}
 
 
 # --- One step on every rank: rank 0 sends it, each worker's loop runs it -----------
 
 def _place(obj, device, cache):
-    """A copy of obj (tensors, lists, tuples, dicts, contexts and their dataclasses) with its tensors
-    on `device`, a context's .cache set to `cache`: rank 0 sends it on "cpu", a worker uses its own."""
+    """A copy of obj (tensors, lists, tuples, dicts, contexts and their dataclasses) with its
+    tensors on `device`, a context's .cache set to `cache`: rank 0 sends it on "cpu", a worker
+    uses its own."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if type(obj) in (list, tuple):
@@ -269,7 +290,8 @@ def _place(obj, device, cache):
         return {k: _place(v, device, cache) for k, v in obj.items()}
     if hasattr(obj, "cache") or dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         new = copy.copy(obj)
-        vars(new).update({k: cache if k == "cache" else _place(v, device, cache) for k, v in vars(obj).items()})
+        vars(new).update({k: cache if k == "cache" else _place(v, device, cache)
+                          for k, v in vars(obj).items()})
         return new
     return obj
 
@@ -307,37 +329,42 @@ class TensorParallelGroup(WorkerGroup):
     """Rank 0's handle on N ranks: tp.model (its shard), tp.config (per rank), allocate_cache,
     forward, close(). The processes are WorkerGroup's; after a failure only close() works."""
 
-    def __init__(self, path: str, world_size: int, device="cpu", dtype=torch.float32, quantization=None,
-                 collective_timeout_s: float = 120.0, startup_timeout_s: float = 600.0):
+    def __init__(self, path: str, world_size: int, device="cpu", dtype=torch.float32,
+                 quantization=None, collective_timeout_s: float = 120.0,
+                 startup_timeout_s: float = 600.0):
         device_type = torch.device(device).type
         self.full_config, self.cache = read_config(path), None
-        check_tensor_parallel(self.full_config, world_size, device_type)   # before any process starts
+        check_tensor_parallel(self.full_config, world_size, device_type)   # before any process
         spec = WorkerSpec(path, world_size, device_type, dtype, quantization, collective_timeout_s)
-        entry = "import parallel; parallel.serve_worker(parallel.load_shard, parallel._worker_loop)"  # `python -c`
-        super().__init__(spec, load_shard, _worker_loop, entry, startup_timeout_s)   # (no __main__ guard needed)
+        # a worker runs `python -c entry` (so a user's script needs no __main__ guard)
+        entry = "import parallel; parallel.serve_worker(parallel.load_shard, parallel._worker_loop)"
+        super().__init__(spec, load_shard, _worker_loop, entry, startup_timeout_s)
 
     def allocate_cache(self, num_blocks: int, block_size: int = 16, kv_cache_dtype=None):
         """Every rank allocates num_blocks blocks for its KV heads (one block manager for all)."""
         check_kv_pool_args(num_blocks, kv_cache_dtype)
         self._send(("alloc", num_blocks, block_size, kv_cache_dtype))
         try:
-            self.cache = make_kv_cache(self.config, num_blocks, block_size, kv_cache_dtype, self.device, self.dtype)
-            self.comm.all_reduce(torch.zeros(1, device=self.device))        # every worker allocated too
+            self.cache = make_kv_cache(self.config, num_blocks, block_size, kv_cache_dtype,
+                                       self.device, self.dtype)
+            self.comm.all_reduce(torch.zeros(1, device=self.device))   # every worker allocated too
         except BaseException as e:
             self.fail(e)
         return self.cache
 
     def forward(self, input_ids, positions, ctx=None, copies=()):
         """One step on every rank -> logits [rows, V]; each rank runs a copy of ctx holding
-        its own pool, after the pending copy-on-write (src, dst) copies (twice on rank 0: harmless)."""
+        its own pool, after the pending copy-on-write (src, dst) copies (twice on rank 0:
+        harmless)."""
         return self.run(_forward, input_ids, positions, ctx, copies=copies)
 
     def run(self, fn, *args, copies=()):
-        """fn(model, cache, *args) on every rank -> rank 0's result (fn: a module-level function)."""
+        """fn(model, cache, *args) on every rank -> rank 0's result (fn: module-level)."""
         copies = [(int(s), int(d)) for s, d in copies]
         self._send(("step", copies, fn, _place(args, "cpu", None)))
         try:
-            return _execute(self.model, self.cache, copies, fn, _place(args, self.device, self.cache))
+            args = _place(args, self.device, self.cache)
+            return _execute(self.model, self.cache, copies, fn, args)
         except BaseException as e:
             self.fail(e)
 

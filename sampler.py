@@ -15,9 +15,9 @@ tokens whatever else is in the batch and after preemption, and no two samples of
 request share noise. Streams keep the uses of one position (the draw, a draft's
 acceptance test, the draft model's own draw) independent.
 
-Place in the data flow: part 3 of LLM.step (scheduler.py) calls sample_tokens once on
+Place in the data flow: step 3 of LLM.step (engine.py) calls sample_tokens once on
 the logits rows of every sampling sequence (drafts judged by speculative.py's rejection
-rule); part 4 streams each sequence's text through its StopStrings.
+rule); step 4 streams each sequence's text through its StopStrings.
 """
 from __future__ import annotations
 
@@ -30,44 +30,62 @@ from speculative import rejection_sample_batched
 from support.checks import check_sampling_params
 
 # --- What a request asks for -------------------------------------------------
+def knob(default, **bounds):
+    """A field of SamplingParams with its range beside it: ge / gt / le bound a number (or each
+    entry of a list), items caps a list, chars a string. support/checks.py checks every field
+    against it for the library and the server alike, and serve.py's request schema is made
+    from these fields: a new option is one line here, plus the code that uses it."""
+    if default is list:
+        return field(default_factory=list, metadata=bounds)
+    return field(default=default, metadata=bounds)
+
+
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request, and when to stop. Each field's range is stated
-    once, in LIMITS: support/checks.py checks it for the library and the server alike."""
-    max_tokens: int = 64            # new tokens at most (per sample); 0: only score the prompt
-    temperature: float = 0.0        # 0 = greedy (argmax); otherwise softmax(logits / T)
-    top_k: int = 0                  # keep the k most likely tokens (0 = all; k >= vocab = all)
-    top_p: float = 1.0              # keep the smallest set with probability >= top_p
-    seed: int | None = None         # same tokens whatever the batch (counter-based noise, below)
-    stop: list = field(default_factory=list)            # stop strings (cut from the text)
-    stop_token_ids: list = field(default_factory=list)  # extra token ids that end generation
-    ignore_eos: bool = False        # keep going past EOS (benchmarks)
-    n: int = 1                      # parallel samples sharing the prompt (copy-on-write)
-    logprobs: int | None = None     # None, or the chosen token's logprob + this many alternatives
-    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none): scoring
-    min_p: float = 0.0              # keep tokens with probability >= min_p * the top one's (0 = off)
-    repetition_penalty: float = 1.0   # a token of the prompt or output: logit / it if > 0, * it if < 0
-    presence_penalty: float = 0.0   # logit -= presence * (token in the output) + frequency * its count
-    frequency_penalty: float = 0.0  # (vLLM's and OpenAI's semantics; 1, 0, 0: off)
+    """How to pick tokens for one request, and when to stop. Each field declares its range
+    beside it (knob, above): the one place a sampling option is written down."""
+    # new tokens at most (per sample); 0: only score the prompt (needs prompt_logprobs)
+    max_tokens: int = knob(64, ge=0, le=2**31 - 1)
+    temperature: float = knob(0.0, ge=0)          # 0 = greedy (argmax); else softmax(logits / T)
+    top_k: int = knob(0, ge=0)                    # keep the k most likely (0 or k >= vocab: all)
+    top_p: float = knob(1.0, gt=0, le=1)          # keep the smallest set with probability >= top_p
+    # the same tokens whatever the batch (counter-based noise, below); None: a seed of its own
+    seed: int | None = knob(None, ge=-2**63, le=2**64 - 1)
+    stop: str | list[str] = knob(list, items=16, chars=1024)      # stop strings (cut from the text)
+    stop_token_ids: list[int] = knob(list, items=1024, ge=0, le=2**63 - 1)   # also end generation
+    ignore_eos: bool = knob(False)                # keep going past EOS (benchmarks)
+    n: int = knob(1, ge=1, le=128)                # samples sharing the prompt (copy-on-write)
+    logprobs: int | None = knob(None, ge=0, le=20)    # the chosen token's + this many others
+    prompt_logprobs: int | None = knob(None, ge=0, le=20)    # the same for the prompt: scoring
+    min_p: float = knob(0.0, ge=0, le=1)          # keep p >= min_p * the top token's p (0 = off)
+    # vLLM's and OpenAI's penalties (1, 0, 0: off). A token of the prompt or output: logit / rep
+    # if > 0, * rep if < 0; then logit -= presence * (token in the output) + frequency * its count
+    repetition_penalty: float = knob(1.0, ge=0.01, le=100)
+    presence_penalty: float = knob(0.0, ge=-2, le=2)
+    frequency_penalty: float = knob(0.0, ge=-2, le=2)
 
-    # integers for a tensor or a hash fit 64 bits; counts that cost memory or time are capped
-    LIMITS = {"max_tokens": 2**31 - 1, "n": 128, "logprobs": 20, "prompt_logprobs": 20, "stop": 16,
-              "stop_chars": 1024, "stop_token_ids": 1024, "seed": (-2**63, 2**64 - 1), "min_p": (0, 1),
-              "repetition_penalty": (0.01, 100), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
-    GREEDY_BELOW = 1e-5             # temperatures this small are greedy (logits / 1e-30 would overflow)
+    GREEDY_BELOW = 1e-5         # temperatures this small are greedy (logits / 1e-30 would overflow)
 
     def __post_init__(self):
-        check_sampling_params(self)     # ValueError naming the field; a stop string becomes [string]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]             # one stop string: a list of one
+        check_sampling_params(self)             # ValueError naming the field outside its range
 
     greedy = property(lambda self: self.temperature < self.GREEDY_BELOW)
-    penalized = property(lambda self: (self.repetition_penalty, self.presence_penalty,
-                                       self.frequency_penalty) != (1, 0, 0))   # else: nothing counted
+
+    @property
+    def penalized(self) -> bool:        # if not, nothing is counted for this request
+        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        return penalties != (1, 0, 0)
 
 
 # --- Counter-based noise -----------------------------------------------------
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15          # 2^64 / golden ratio: SplitMix64's increment
-DRAW, ACCEPT, DRAFT = 0, 1, 2        # noise streams
+# The noise streams of one output position:
+DRAW = 0             # the token drawn there
+ACCEPT = 1           # the acceptance test of the draft there
+DRAFT = 2            # the draft model's own draw
 
 
 def _mix64(x: int) -> int:
@@ -92,35 +110,39 @@ def uniform(key: int, position: int, stream: int = DRAW) -> float:
 
 # --- Filtering and the draw --------------------------------------------------
 def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float], min_p=None):
-    """Probabilities [R, V] of sampled rows after temperature, min-p, top-k, then top-p (vLLM's order):
-    logits [R, V] float32; temperature [R]; top_k (0 = off), top_p (1 = off), min_p (0 = off) as host
-    lists, so no host-device round trip decides which rows to filter. Ties at a threshold are all kept."""
+    """Probabilities [R, V] of sampled rows after temperature, min-p, top-k, then top-p (vLLM's
+    order): logits [R, V] float32; temperature [R]; top_k (0 = off), top_p (1 = off), min_p
+    (0 = off) as host lists, so no host-device round trip decides which rows to filter. Ties
+    at a threshold are all kept."""
     # assignment: sampler
     R, V = logits.shape
+    dev = logits.device
     logits = logits / temperature[:, None]
     m_rows = [i for i, m in enumerate(min_p or ()) if m > 0]
-    if m_rows:                                      # min-p: keep p >= min_p * max p, a cut that scales with
-        rows = torch.tensor(m_rows, device=logits.device)       # how sure the model is
+    if m_rows:              # min-p: keep p >= min_p * max p, a cut that follows the certainty
+        rows = torch.tensor(m_rows, device=dev)
         probs = logits[rows].softmax(dim=-1)
-        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor([[min_p[i]] for i in m_rows], device=logits.device)
+        m = torch.tensor([[min_p[i]] for i in m_rows], device=dev)
+        floor = probs.amax(dim=-1, keepdim=True) * m
         logits[rows] = logits[rows].masked_fill(probs < floor, float("-inf"))
     k_rows = [i for i, k in enumerate(top_k) if 0 < k < V]
     if k_rows:                                      # top-k: keep logits >= the k-th largest
-        rows = torch.tensor(k_rows, device=logits.device)
+        rows = torch.tensor(k_rows, device=dev)
         sub = logits[rows]
-        vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values          # [Rk, kmax], descending
-        kth = vals.gather(1, torch.tensor([[top_k[i] - 1] for i in k_rows], device=logits.device))
+        vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values      # [Rk, kmax], descending
+        kth = vals.gather(1, torch.tensor([[top_k[i] - 1] for i in k_rows], device=dev))
         logits[rows] = sub.masked_fill(sub < kth, float("-inf"))
     p_rows = [i for i, p in enumerate(top_p) if p < 1]
     if p_rows:                                      # top-p: the smallest prefix with mass >= p
-        rows = torch.tensor(p_rows, device=logits.device)
+        rows = torch.tensor(p_rows, device=dev)
         sub = logits[rows]
         sorted_logits = sub.sort(dim=-1, descending=True).values
         probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs                                # mass strictly before each
-        p = torch.tensor([top_p[i] for i in p_rows], device=logits.device, dtype=probs.dtype)
-        n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)  # the top token always stays
-        # (clamp: a top_p below float32's smallest number, e.g. 1e-300, rounds to 0 above)
+        before = probs.cumsum(dim=-1) - probs                      # the mass strictly before each
+        p = torch.tensor([top_p[i] for i in p_rows], device=dev, dtype=probs.dtype)
+        # the top token always stays (clamp: a top_p below float32's smallest number, e.g.
+        # 1e-300, rounds to 0 above)
+        n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)
         logits[rows] = sub.masked_fill(sub < sorted_logits.gather(1, n_keep - 1), float("-inf"))
     return logits.softmax(dim=-1)
     # end assignment
@@ -146,7 +168,7 @@ class SampleRequest:
     params: SamplingParams
     key: int                       # sample_key of the sequence
     position: int                  # output index of the first token it will get
-    token_ids: list = ()           # the sequence so far (prompt, then `position` outputs): for penalties
+    token_ids: list = ()           # the sequence so far (prompt, `position` outputs): penalties
     draft_probs: torch.Tensor | None = None   # [len(drafts), V] of a draft model (None: one-hot)
 
 
@@ -156,37 +178,44 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
     with k = 0, one code path for both. Returns per sequence, on the host after the
     step's single wait: (tokens, raw-logit logprobs info or None, finite: bool). `also`:
     a list of more device tensors (prompt logprobs) for that wait, replaced by their host lists."""
-    S, K, dev = len(reqs), max(len(r.drafts) for r in reqs), logits.device
+    S, K = len(reqs), max(len(r.drafts) for r in reqs)        # sequences, most drafts
+    dev = logits.device
     n = np.array([len(r.drafts) for r in reqs])
-    ridx = np.array([r.row for r in reqs])[:, None] + np.minimum(np.arange(K + 1)[None, :], n[:, None])
-    drafts = np.array([r.drafts + [-1] * (max(K, 1) - len(r.drafts)) for r in reqs])   # [S, max(K, 1)], -1: none
+    # ridx [S, K+1]: the logits row of each sequence's position j (past its drafts: its last)
+    ridx = np.array([r.row for r in reqs])[:, None] + np.minimum(np.arange(K + 1)[None], n[:, None])
+    drafts = np.array([r.drafts + [-1] * (max(K, 1) - len(r.drafts)) for r in reqs])   # -1: none
     idx, d, n_t = (torch.as_tensor(a, device=dev) for a in (ridx, drafts, n))
-    best, argmax = logits.max(dim=-1)                          # [R]: greedy tokens, and a NaN/inf check
-    pen = [s for s, r in enumerate(reqs) if r.params.penalized]    # nobody asks: not one op more
-    scores = penalize(logits, [reqs[s] for s in pen], ridx[pen]) if pen else logits   # logprobs stay raw
-    argmax = scores.argmax(dim=-1) if pen else argmax          # penalties move greedy choices too
-    tokens = argmax[idx]                                       # [S, K+1]: the target's argmax per position
-    if K:                                                      # greedy rule: accept while draft == argmax
+    best, argmax = logits.max(dim=-1)                  # [R]: greedy tokens, and a NaN/inf check
+    pen = [s for s, r in enumerate(reqs) if r.params.penalized]   # nobody asks: not one op more
+    scores = logits                                    # the logprobs stay the raw logits'
+    if pen:                                            # penalties move greedy choices too
+        scores = penalize(logits, [reqs[s] for s in pen], ridx[pen])
+        argmax = scores.argmax(dim=-1)
+    tokens = argmax[idx]                               # [S, K+1]: the target's argmax per position
+    n_acc = torch.zeros(S, dtype=torch.long, device=dev)
+    if K:                                              # greedy rule: accept while draft == argmax
         agree = (tokens[:, :K] == d[:, :K]) & (torch.arange(K, device=dev)[None] < n_t[:, None])
         n_acc = agree.long().cumprod(dim=1).sum(dim=1)
-    else:
-        n_acc = torch.zeros(S, dtype=torch.long, device=dev)
     sampled = [s for s, r in enumerate(reqs) if not r.params.greedy]
     if sampled:
-        toks, acc = _sample_rows(scores, [reqs[s] for s in sampled], ridx[sampled], d[sampled], n_t[sampled])
+        toks, acc = _sample_rows(scores, [reqs[s] for s in sampled], ridx[sampled], d[sampled],
+                                 n_t[sampled])
         sel = torch.as_tensor(sampled, device=dev)
         tokens[sel], n_acc[sel] = toks, acc
     finite = torch.isfinite(best[idx]).all(dim=1)
     want_lp = [s for s, r in enumerate(reqs) if r.params.logprobs is not None]
-    lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], max(reqs[s].params.logprobs for s in want_lp)) \
-        if want_lp else []
+    lp = []
+    if want_lp:
+        top = max(reqs[s].params.logprobs for s in want_lp)
+        lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], top)
     host = fetch(torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1), *lp, *also)
     if also:
         also[:] = host[len(host) - len(also):]
     out = [(row[:row[K + 1] + 1], None, bool(row[K + 2])) for row in host[0]]
-    for j, s in enumerate(want_lp):                            # (chosen logprob, {alternative: logprob}) per token
+    for j, s in enumerate(want_lp):         # per token: (chosen logprob, {alternative: logprob})
         m, k = out[s][0], reqs[s].params.logprobs
-        info = [(host[1][j][i], dict(zip(host[3][j][i][:k], host[2][j][i][:k]))) for i in range(len(m))]
+        chosen, values, ids = host[1][j], host[2][j], host[3][j]
+        info = [(chosen[i], dict(zip(ids[i][:k], values[i][:k]))) for i in range(len(m))]
         out[s] = (m, info, out[s][2])
     return out
 
@@ -194,69 +223,83 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
 def _sample_rows(logits, reqs, ridx, d, n):
     """Sampled (temperature > 0) sequences: filtered q, the rejection rule, one draw each."""
     S, K1 = ridx.shape
-    rows = torch.as_tensor(ridx.reshape(-1), device=logits.device)
+    dev = logits.device
+    rows = torch.as_tensor(ridx.reshape(-1), device=dev)
     per_row = lambda f: [f(r.params) for r in reqs for _ in range(K1)]                 # noqa: E731
-    temp = torch.tensor(per_row(lambda p: p.temperature), device=logits.device, dtype=logits.dtype)
-    probs = filtered_probs(logits[rows], temp, per_row(lambda p: p.top_k), per_row(lambda p: p.top_p),
-                           per_row(lambda p: p.min_p)).view(S, K1, -1)                  # [S, K+1, V]
+    temp = torch.tensor(per_row(lambda p: p.temperature), device=dev, dtype=logits.dtype)
+    probs = filtered_probs(logits[rows], temp, per_row(lambda p: p.top_k),
+                           per_row(lambda p: p.top_p), per_row(lambda p: p.min_p))
+    probs = probs.view(S, K1, -1)                                                    # [S, K+1, V]
     dp = None
-    if any(r.draft_probs is not None for r in reqs):                                 # a draft model's p
-        dp = torch.zeros(S, K1 - 1, probs.shape[-1], device=logits.device)
+    if any(r.draft_probs is not None for r in reqs):                   # a draft model's p
+        dp = torch.zeros(S, K1 - 1, probs.shape[-1], device=dev)
         for s, r in enumerate(reqs):
             if r.draft_probs is not None:
                 dp[s, :len(r.drafts)] = r.draft_probs
-    u = torch.tensor([[[uniform(r.key, r.position + j, stream) for stream in (DRAW, ACCEPT)] for j in range(K1)]
-                      for r in reqs], device=logits.device, dtype=torch.float64)     # [S, K+1, 2]: the noise
+    noise = [[[uniform(r.key, r.position + j, stream) for stream in (DRAW, ACCEPT)]
+              for j in range(K1)] for r in reqs]
+    u = torch.tensor(noise, device=dev, dtype=torch.float64)                          # [S, K+1, 2]
     n_acc, final = rejection_sample_batched(probs, dp, d[:, :K1 - 1], n, u[:, :K1 - 1, 1])
     # the extra token lands at output position + n_acc: that position's DRAW noise
     final_tok = draw(final, u[:, :, 0].gather(1, n_acc[:, None])[:, 0])
-    j = torch.arange(K1, device=logits.device)[None]
+    j = torch.arange(K1, device=dev)[None]
     drafts = torch.cat([d[:, :K1 - 1], d.new_zeros(S, 1)], dim=1)
     return torch.where(j < n_acc[:, None], drafts, final_tok[:, None]), n_acc
 
 
 def penalize(logits, reqs: list[SampleRequest], ridx):
-    """logits with the rows ridx [S, K+1] of S sequences penalized (vLLM's rule): a token seen in the prompt or
-    the output has its logit divided by repetition_penalty if > 0, else multiplied by it; then
-    logit -= presence * (count > 0) + frequency * count, counting OUTPUT tokens. Row j of a verification
-    also counts drafts 0..j-1: each position sees its own history, so verifying stays exact."""
-    (S, K1), V, dev = ridx.shape, logits.shape[1], logits.device
+    """logits with the rows ridx [S, K+1] of S sequences penalized (vLLM's rule): a token seen in
+    the prompt or the output has its logit divided by repetition_penalty if > 0, else multiplied
+    by it; then logit -= presence * (count > 0) + frequency * count, counting OUTPUT tokens. Row
+    j of a verification also counts drafts 0..j-1: each position sees its own history, so
+    verifying stays exact."""
+    (S, K1), V = ridx.shape, logits.shape[1]
+    dev = logits.device
 
     def count(parts):    # [len(parts), V]: how often each part holds each token (one scatter-add)
         flat = np.concatenate([np.asarray(p, dtype=np.int64) + i * V for i, p in enumerate(parts)])
+        ones = torch.ones(len(flat), device=dev)
         counts = torch.zeros(len(parts) * V, device=dev)
-        return counts.index_add_(0, torch.as_tensor(flat).to(dev), torch.ones(len(flat), device=dev)).view(-1, V)
-    param = lambda name: torch.tensor([getattr(r.params, name) for r in reqs], device=dev)[:, None, None]  # noqa
+        return counts.index_add_(0, torch.as_tensor(flat).to(dev), ones).view(-1, V)
+
+    def param(name):     # [S, 1, 1]: each sequence's value of one penalty
+        return torch.tensor([getattr(r.params, name) for r in reqs], device=dev)[:, None, None]
     in_prompt = count([r.token_ids[:len(r.token_ids) - r.position] for r in reqs]).view(S, 1, V) > 0
     # assignment: sampler
     n = count([r.token_ids[len(r.token_ids) - r.position:] for r in reqs]).view(S, 1, V) \
-        + count([r.drafts[:j] for r in reqs for j in range(K1)]).view(S, K1, V)   # row j: + drafts 0..j-1
-    x = logits[torch.as_tensor(ridx, device=dev)]                                          # [S, K+1, V]
+        + count([r.drafts[:j] for r in reqs for j in range(K1)]).view(S, K1, V)   # + drafts before
+    x = logits[torch.as_tensor(ridx, device=dev)]                                  # [S, K+1, V]
     seen = n > 0
     rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)
-    x = torch.where(x > 0, x / rep, x * rep) - param("presence_penalty") * seen - param("frequency_penalty") * n
+    x = torch.where(x > 0, x / rep, x * rep)
+    x = x - param("presence_penalty") * seen - param("frequency_penalty") * n
     # end assignment
-    return logits.index_put((torch.as_tensor(ridx.reshape(-1), device=dev),), x.flatten(0, 1).to(logits.dtype))
+    flat_rows = torch.as_tensor(ridx.reshape(-1), device=dev)
+    return logits.index_put((flat_rows,), x.flatten(0, 1).to(logits.dtype))
 
 
 def _logprobs(logits, ridx, tokens, top: int):
-    """Logprobs from the RAW logits (no temperature or filtering, as OpenAI and vLLM report them)."""
+    """Logprobs from the RAW logits (no temperature or filtering, as OpenAI and vLLM report
+    them): the chosen tokens' [S', K+1], and the top alternatives' values and ids."""
     logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)   # [S', K+1, V]
     alt = logp.topk(max(top, 1), dim=-1)
-    return [logp.gather(-1, tokens[..., None])[..., 0], alt.values, alt.indices]   # chosen, top-k values, ids
+    return [logp.gather(-1, tokens[..., None])[..., 0], alt.values, alt.indices]
 
 
 def prompt_logprobs(logits, next_tokens: list[int], top: int) -> list:
-    """The same for prompt positions (prompt_logprobs), in float32: the LAST len(next_tokens) logits rows, each
-    scored against the prompt token after it. Only [R] + 2 x [R, top] stay on the device for the step's one wait."""
+    """The same for prompt positions (prompt_logprobs), in float32: the LAST len(next_tokens)
+    logits rows, each scored against the prompt token after it. Only [R] + 2 x [R, top] stay
+    on the device for the step's one wait (the [R, V] rows die here)."""
     nxt = torch.as_tensor(next_tokens).to(logits.device, non_blocking=True)   # a copy up, no wait
-    return _logprobs(logits[-len(next_tokens):].float(), np.arange(len(next_tokens)), nxt, top)   # [R, V] dies
+    rows = logits[-len(next_tokens):].float()
+    return _logprobs(rows, np.arange(len(next_tokens)), nxt, top)
 
 
 def fetch(*tensors) -> list:
     """Device -> host lists with ONE wait: the step's only synchronization."""
-    host = [t.to("cpu", non_blocking=True) for t in tensors]   # CPU: the tensors themselves; CUDA: copies
-    if tensors and tensors[0].is_cuda:                         # queued into pinned memory: wait once for all
+    # CPU: the tensors themselves; CUDA: copies queued into pinned memory, then one wait for all
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    if tensors and tensors[0].is_cuda:
         torch.cuda.current_stream(tensors[0].device).synchronize()  # pragma: no cover (CUDA)
     return [h.tolist() for h in host]
 
@@ -280,29 +323,34 @@ def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
 
 
 def sample_isolated(logits, asks, fail, also=()):
-    """sample_tokens via batch_then_each: the noise depends only on the request, so alone = batched.
-    `also` rides the whole batch's wait; fetched on its own only if no batch reached one."""
-    new = batch_then_each(lambda part: sample_tokens(logits, [a for _, a in part], also if part is asks else ()),
-                          asks, fail, "sampling", ([], None, True))      # skipped by the engine: its request failed
-    if also and torch.is_tensor(also[0]):      # no asks (a step of prompt chunks only), or the batch raised
+    """sample_tokens via batch_then_each: the noise depends only on the request, so alone =
+    batched. `also` rides the whole batch's wait; fetched on its own only if no batch reached
+    one (no asks: a step of prompt chunks only; or the batch raised)."""
+    def run(part):
+        return sample_tokens(logits, [a for _, a in part], also if part is asks else ())
+    # a skipped result: the engine skips it too, as its request failed
+    new = batch_then_each(run, asks, fail, "sampling", ([], None, True))
+    if also and torch.is_tensor(also[0]):
         also[:] = fetch(*also)
     return new
 
 
 def draft_sampler(asks):
-    """The draft model samples with each request's params (not min-p or penalties: any draft p keeps
-    verification exact) and noise (stream DRAFT); greedy requests take its argmax, as one-hot probabilities."""
+    """The draft model samples with each request's params (not min-p or penalties: any draft p
+    keeps verification exact) and noise (stream DRAFT); greedy requests take its argmax, as
+    one-hot probabilities."""
     seqs = [seq for seq, _ in asks]
 
-    def draft_sample(logits, idx, step):       # logits [R, V] of the requests idx, at draft step `step`
+    def draft_sample(logits, idx, step):   # logits [R, V] of the requests idx, at draft step `step`
         ps, dev = [seqs[i].params for i in idx], logits.device
-        temp = torch.tensor([max(p.temperature, SamplingParams.GREEDY_BELOW) for p in ps], device=dev)
-        probs = filtered_probs(logits.float(), temp, [p.top_k for p in ps], [p.top_p for p in ps])
+        temp = [max(p.temperature, SamplingParams.GREEDY_BELOW) for p in ps]
+        probs = filtered_probs(logits.float(), torch.tensor(temp, device=dev),
+                               [p.top_k for p in ps], [p.top_p for p in ps])
         greedy = torch.tensor([p.greedy for p in ps], device=dev)
-        probs = torch.where(greedy[:, None], torch.zeros_like(probs).scatter_(
-            1, logits.argmax(-1, keepdim=True), 1.0), probs)
-        u = torch.tensor([uniform(seqs[i].key, seqs[i].num_output + step, DRAFT) for i in idx], device=dev)
-        return draw(probs, u).tolist(), probs
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+        noise = [uniform(seqs[i].key, seqs[i].num_output + step, DRAFT) for i in idx]
+        return draw(probs, torch.tensor(noise, device=dev)).tolist(), probs
     return draft_sample
 
 

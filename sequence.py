@@ -19,7 +19,8 @@ n > 1 samples is n sequences sharing the prompt's KV blocks (cache.py).
 
 Place in the data flow: LLM.add_request makes a Request and its first
 Sequence, the Scheduler moves sequences between waiting and running, and
-LLM.step appends each sampled token here (part 4) and reports RequestOutputs.
+LLM.step (engine.py) appends each sampled token here (step 4) and reports
+RequestOutputs.
 """
 from __future__ import annotations
 
@@ -29,7 +30,123 @@ from dataclasses import dataclass
 from sampler import StopStrings, sample_key
 from tokenizer import IncrementalDecoder
 
+# A sequence's life: WAITING -> RUNNING -> FINISHED.
+WAITING = "waiting"         # queued, or preempted: it holds no KV blocks
+RUNNING = "running"         # holds KV blocks, fed every step
+FINISHED = "finished"       # its blocks given back
 
+
+class Sequence:
+    """One stream of tokens (token_ids, num_computed: see above), its text and stop conditions."""
+    _ids = itertools.count()
+
+    def __init__(self, request: Request, token_ids: list, index: int, tokenizer):
+        self.seq_id = next(Sequence._ids)
+        self.request = request
+        self.params = request.params
+        self.index = index                       # which of the request's n samples
+        self.token_ids = list(token_ids)
+        self.num_prompt = len(request.prompt_ids)
+        self.num_computed = 0
+        self.status = WAITING
+        self.key = sample_key(request.seed, index)          # its counter-based noise (sampler)
+        self.draft_tokens: list[int] = []        # proposed this step (speculative decoding)
+        self.draft_probs = None                  # their draft distributions [k, V] (None: one-hot)
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stops = StopStrings(self.params.stop) if self.params.stop else None
+        self.pieces: list[str] = []              # the text, in the pieces released so far
+        self.pending = ""                        # decoded text held back: may start a stop string
+        self.finish_reason = None
+        self.logprobs = [] if self.params.logprobs is not None else None
+        self._reported = (0, 0)                  # (tokens, pieces) already in an output
+
+    num_output = property(lambda self: len(self.token_ids) - self.num_prompt)
+    # the known tokens not yet in the cache: fed next step
+    remaining = property(lambda self: len(self.token_ids) - self.num_computed)
+
+    def add_text(self, delta: str) -> bool:
+        """Stream decoded text through the stop strings; what can no longer change goes to
+        self.pieces. True if a stop string completed (the text is cut just before it)."""
+        text = self.pending + delta
+        hit = self.stops.feed(delta) if self.stops else None
+        # A completed stop string ends the text just before it; otherwise keep back
+        # only the tail that could still become one (StopStrings.partial characters).
+        if hit is not None:
+            end, length = hit
+            cut = len(self.pending) + end - length
+            self.pending = ""
+        else:
+            cut = len(text) - (self.stops.partial if self.stops else 0)
+            self.pending = text[cut:]
+        if cut > 0:
+            self.pieces.append(text[:cut])
+        return hit is not None
+
+    def append(self, token: int, logprob, eos_token_id, max_len: int) -> str | None:
+        """Add a token, stream its text; why the sequence stops ("stop" | "length"), or None."""
+        self.token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        p = self.params
+        # Checked token by token, so a speculative step that accepted several
+        # tokens stops exactly where plain decoding would have.
+        hit = self.add_text(self.decoder.push(token))                    # a stop string completed
+        if hit or (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif self.num_output >= p.max_tokens or len(self.token_ids) >= max_len:
+            reason = "length"
+        else:
+            return None
+        if not hit:    # the text ends here: release the held-back tail and an unfinished character
+            tail = self.pending + self.decoder.flush()
+            self.pending = ""
+            if tail:
+                self.pieces.append(tail)
+        return reason
+
+    def snapshot(self) -> Completion:
+        """This sequence as a Completion, with what changed since the last one."""
+        # Only the tokens and text pieces since the last report: a stream sends
+        # exactly these, and a step costs O(new tokens), not O(text so far).
+        t0, p0 = self._reported
+        n, p = self.num_output, len(self.pieces)
+        self._reported = (n, p)
+        new_lp = None if self.logprobs is None else self.logprobs[t0:n]
+        new_ids = self.token_ids[self.num_prompt + t0:]
+        return Completion(self, "".join(self.pieces[p0:p]), new_ids, new_lp)
+
+    def __repr__(self):
+        return f"Sequence({self.seq_id}, {self.status}, {self.num_computed}/{len(self.token_ids)})"
+
+
+class Request:
+    """What a user asked for: a prompt, its params, and its n sequences."""
+
+    def __init__(self, request_id, prompt_ids, params, arrival_time, seed: int):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seed = seed
+        self.seqs: list[Sequence] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_ids))
+        self.error: str | None = None
+        # prompt_logprobs: entry i = (logprob of prompt[i] given prompt[:i], {id: logprob}),
+        # filled as the prefill chunks are computed; the first num_scored are known (entry 0:
+        # nothing conditions it)
+        self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
+        self.num_scored = 1 if self.prompt_logprobs else len(prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.status == FINISHED for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        scores = self.prompt_logprobs if self.num_scored == len(self.prompt_ids) else None
+        return RequestOutput(self.request_id, self.prompt_ids, [s.snapshot() for s in self.seqs],
+                             self.finished, self.metrics, self.error, scores)
+
+
+# --- What the engine reports -------------------------------------------------
 # What serving is judged by, stamped as a request moves through the engine:
 # time to first token = queueing + prefill; the time per output token after
 # it is what decoding costs; cached tokens and preemptions say why.
@@ -49,7 +166,8 @@ class RequestMetrics:
 
     time_to_first_token = property(lambda m: None if m.first_token_time is None
                                    else m.first_token_time - m.arrival_time)
-    acceptance_rate = property(lambda m: m.accepted_tokens / m.draft_tokens if m.draft_tokens else None)
+    acceptance_rate = property(lambda m: m.accepted_tokens / m.draft_tokens
+                               if m.draft_tokens else None)
 
 
 class Completion:
@@ -59,15 +177,23 @@ class Completion:
     everything so far, read lazily: token ids and text pieces only grow, so a
     snapshot is just their lengths then, O(new tokens) per step."""
 
-    def __init__(self, seq: "Sequence", new_text: str, new_token_ids: list, new_logprobs):
-        self._seq, self.index, self.finish_reason = seq, seq.index, seq.finish_reason
-        self._tokens, self._pieces = len(seq.token_ids) - seq.num_prompt, len(seq.pieces)
-        self.new_text, self.new_token_ids, self.new_logprobs = new_text, new_token_ids, new_logprobs
+    def __init__(self, seq: Sequence, new_text: str, new_token_ids: list, new_logprobs):
+        self._seq = seq
+        self.index = seq.index
+        self.finish_reason = seq.finish_reason
+        self._tokens = len(seq.token_ids) - seq.num_prompt     # the lengths now: a snapshot
+        self._pieces = len(seq.pieces)
+        self.new_text = new_text
+        self.new_token_ids = new_token_ids
+        self.new_logprobs = new_logprobs
 
     text = property(lambda self: "".join(self._seq.pieces[:self._pieces]))
     token_ids = property(lambda self: self._seq.token_ids[self._seq.num_prompt:][:self._tokens])
-    # per token: (logprob, {alternative id: logprob}), or None
-    logprobs = property(lambda self: None if self._seq.logprobs is None else self._seq.logprobs[:self._tokens])
+
+    @property
+    def logprobs(self):
+        """Per token: (logprob, {alternative id: logprob}); None if not asked for."""
+        return None if self._seq.logprobs is None else self._seq.logprobs[:self._tokens]
 
 
 @dataclass
@@ -78,110 +204,10 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None        # why the request failed (finish_reason "error")
-    prompt_logprobs: list | None = None   # per prompt token, as logprobs (entry 0: None); once all are known
+    # per prompt token, as logprobs (entry 0: None); once all of them are known
+    prompt_logprobs: list | None = None
 
     # The common case (n == 1) reads like one completion: outs[i].text
     text = property(lambda self: self.outputs[0].text)
     token_ids = property(lambda self: self.outputs[0].token_ids)
     finish_reason = property(lambda self: self.outputs[0].finish_reason)
-
-
-# A sequence's life: WAITING (queued, or preempted: no blocks) -> RUNNING
-# (holds KV blocks, fed every step) -> FINISHED (its blocks given back).
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-
-
-class Request:
-    """What a user asked for: a prompt, its params, and its n sequences."""
-
-    def __init__(self, request_id, prompt_ids, params, arrival_time, seed: int):
-        self.request_id, self.prompt_ids, self.params, self.seed = request_id, prompt_ids, params, seed
-        self.seqs: list[Sequence] = []
-        self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_ids))
-        self.error: str | None = None
-        # prompt_logprobs: entry i = (logprob of prompt[i] given prompt[:i], {id: logprob}), filled as the
-        # prefill chunks are computed; the first num_scored are known (entry 0: nothing conditions it)
-        self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
-        self.num_scored = 1 if self.prompt_logprobs else len(prompt_ids)
-
-    finished = property(lambda self: len(self.seqs) == self.params.n and all(s.status == FINISHED for s in self.seqs))
-
-    def output(self) -> RequestOutput:
-        scores = self.prompt_logprobs if self.num_scored == len(self.prompt_ids) else None
-        return RequestOutput(self.request_id, self.prompt_ids, [s.snapshot() for s in self.seqs],
-                             self.finished, self.metrics, self.error, scores)
-
-
-class Sequence:
-    """One stream of tokens (token_ids, num_computed: see above), its text and stop conditions."""
-    _ids = itertools.count()
-
-    def __init__(self, request: Request, token_ids: list, index: int, tokenizer):
-        self.seq_id = next(Sequence._ids)
-        self.request, self.params, self.index = request, request.params, index
-        self.token_ids = list(token_ids)
-        self.num_prompt, self.num_computed, self.status = len(request.prompt_ids), 0, WAITING
-        self.key = sample_key(request.seed, index)          # its counter-based noise (sampler)
-        self.draft_tokens: list[int] = []        # proposed this step (speculative decoding)
-        self.draft_probs = None                  # their draft distributions [k, V] (None: one-hot)
-        self.decoder = IncrementalDecoder(tokenizer)
-        self.stops = StopStrings(self.params.stop) if self.params.stop else None
-        self.pieces: list[str] = []              # the text, in the pieces released so far
-        self.pending = ""                        # decoded text held back: may start a stop string
-        self.finish_reason = None
-        self.logprobs = [] if self.params.logprobs is not None else None
-        self._reported = (0, 0)                  # (tokens, pieces) already in an output
-
-    num_output = property(lambda self: len(self.token_ids) - self.num_prompt)
-    remaining = property(lambda self: len(self.token_ids) - self.num_computed)   # known tokens not yet in the cache
-
-    def add_text(self, delta: str) -> bool:
-        """Stream decoded text through the stop strings; what can no longer change goes to
-        self.pieces. True if a stop string completed (the text is cut just before it)."""
-        text = self.pending + delta
-        hit = self.stops.feed(delta) if self.stops else None
-        # A completed stop string ends the text just before it; otherwise keep back
-        # only the tail that could still become one (StopStrings.partial characters).
-        if hit is not None:
-            end, length = hit
-            cut, self.pending = len(self.pending) + end - length, ""
-        else:
-            cut = len(text) - (self.stops.partial if self.stops else 0)
-            self.pending = text[cut:]
-        if cut > 0:
-            self.pieces.append(text[:cut])
-        return hit is not None
-
-    def append(self, token: int, logprob, eos_token_id, max_len: int) -> str | None:
-        """Add a token, stream its text; returns why the sequence stops ("stop" | "length") or None."""
-        self.token_ids.append(token)
-        if self.logprobs is not None:
-            self.logprobs.append(logprob)
-        p = self.params
-        # Checked token by token, so a speculative step that accepted several
-        # tokens stops exactly where plain decoding would have.
-        hit = self.add_text(self.decoder.push(token))                    # a stop string completed
-        if hit or (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif self.num_output >= p.max_tokens or len(self.token_ids) >= max_len:
-            reason = "length"
-        else:
-            return None
-        if not hit:        # the text ends here: release the held-back tail, and an unfinished character
-            tail, self.pending = self.pending + self.decoder.flush(), ""
-            if tail:
-                self.pieces.append(tail)
-        return reason
-
-    def snapshot(self) -> Completion:
-        """This sequence as a Completion, with what changed since the last one."""
-        # Only the tokens and text pieces since the last report: a stream sends
-        # exactly these, and a step costs O(new tokens), not O(text so far).
-        t0, p0 = self._reported
-        n, p = self.num_output, len(self.pieces)
-        self._reported = (n, p)
-        new_lp = None if self.logprobs is None else self.logprobs[t0:n]
-        return Completion(self, "".join(self.pieces[p0:p]), self.token_ids[self.num_prompt + t0:], new_lp)
-
-    def __repr__(self):
-        return f"Sequence({self.seq_id}, {self.status}, {self.num_computed}/{len(self.token_ids)})"

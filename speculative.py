@@ -17,7 +17,7 @@ equals the target's argmax, then emit the argmax. With an acceptance rate a per 
 pass yields (1 - a^(k+1)) / (1 - a) tokens on average; if a draft token costs r target
 passes, the expected speedup is (k*a + 1) / (1 + k*r) in the lecture's simplified form.
 
-Place in the data flow: LLM.step() (scheduler.py; scheduler.Speculation is the engine's
+Place in the data flow: LLM.step() (engine.py; engine.Speculation is the engine's
 side) asks a drafter for up to k tokens per decoding sequence, runs the target once over
 1 + k query tokens each, verifies all k+1 rows at once (rejection_sample_batched, via
 sampler.py) and truncates the KV caches past the accepted tokens. This file knows only
@@ -69,8 +69,9 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
     first rejection or else the target's next row (the bonus), which the caller draws
     with its counter-based noise. K = 0 is plain sampling: final = target_probs[:, 0].
     """
-    B, K, dev = target_probs.shape[0], target_probs.shape[1] - 1, target_probs.device
-    if not K:                                                                # plain sampling: q itself
+    B, K = target_probs.shape[0], target_probs.shape[1] - 1            # sequences, drafts
+    dev = target_probs.device
+    if not K:                                                     # plain sampling: q itself
         return torch.zeros(B, dtype=torch.long, device=dev), target_probs[:, 0]
     rows = torch.arange(B, device=dev)
     # assignment: rejection-sampling
@@ -81,7 +82,7 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
     accept &= torch.arange(K, device=q.device)[None] < num_drafts[:, None]
     n_acc = accept.long().cumprod(dim=1).sum(dim=1)                         # accepted prefix [B]
     final = target_probs[rows, n_acc]                                        # [B, V]: q at the stop
-    rejected = (n_acc < num_drafts)[:, None]                                 # else: the bonus row, q itself
+    rejected = (n_acc < num_drafts)[:, None]                     # else: the bonus row, q itself
     at = n_acc.clamp(max=K - 1)
     if draft_probs is None:          # max(q - onehot(x), 0) = q with x's entry zeroed (q(x) <= 1)
         residual = final.scatter(1, draft_tokens[rows, at].long().clamp(min=0)[:, None], 0.0)
@@ -145,7 +146,8 @@ class ModelDrafter:
         [R, V], request indices, step) -> (tokens [R], probs [R, V]), with each one's params."""
         out = [([], []) for _ in requests]
         # Step 0 feeds what the draft cache lacks (usually 1-2 tokens); then the last draft.
-        feed = {i: tokens[self.computed.get(sid, 0):] for i, (sid, tokens, k) in enumerate(requests) if k > 0}
+        feed = {i: tokens[self.computed.get(sid, 0):]
+                for i, (sid, tokens, k) in enumerate(requests) if k > 0}
         for step in range(max((k for _, _, k in requests), default=0)):
             work, active = [], []
             for i, new in feed.items():
@@ -161,13 +163,15 @@ class ModelDrafter:
                 active.append(i)
             if not work:
                 break
-            last_rows = np.cumsum([len(w[1]) for w in work]) - 1          # each sequence's last token
-            input_ids, positions, ctx = self.inputs.device(self.inputs.host(work, last_rows), self.cache)
+            last_rows = np.cumsum([len(w[1]) for w in work]) - 1     # each sequence's last token
+            hb = self.inputs.host(work, last_rows)
+            input_ids, positions, ctx = self.inputs.device(hb, self.cache)
             tokens, probs = sample_fn(self.model(input_ids, positions, ctx), active, step)
             for j, i in enumerate(active):
                 out[i][0].append(int(tokens[j]))
                 out[i][1].append(probs[j])
-            feed = {i: [out[i][0][-1]] for i in active if step + 1 < requests[i][2]}   # next: the new draft
+            # next: the new draft
+            feed = {i: [out[i][0][-1]] for i in active if step + 1 < requests[i][2]}
         return [(t, torch.stack(p) if p else None) for t, p in out]
 
     def rollback(self, seq_id, num_tokens):
@@ -183,14 +187,16 @@ class ModelDrafter:
 
 
 # --- Building a drafter for the engine ---------------------------------------
-def make_drafter(speculative, k, max_num_batched_tokens, target, tokenizer, pool_blocks, block_size,
-                 device, dtype, make_inputs):
-    """None | "ngram" | a draft model directory -> a drafter (speculative.py)."""
-    checks.check_speculative(speculative, k, MAX_SPECULATIVE_TOKENS, max_num_batched_tokens)
-    if speculative is None:
+def make_drafter(c, target, tokenizer, pool_blocks: int, make_inputs):
+    """The drafter of engine options `c` (engine.EngineConfig, already checked): c.speculative is
+    None (no drafter), "ngram", or a draft model directory whose model shares the target's
+    vocabulary; it gets a paged cache of pool_blocks blocks, on the target's device and dtype."""
+    if c.speculative is None:
         return None
-    if speculative == "ngram":                  # prompt lookup: no model, drafts from the text itself
+    if c.speculative == "ngram":           # prompt lookup: no model, drafts from the text itself
         return NgramDrafter()
-    draft, cfg = load_model(speculative, device=device, dtype=dtype)   # a smaller model, same tokenizer
-    checks.check_same_vocabulary(speculative, cfg, Tokenizer.from_pretrained(speculative), target, tokenizer)
-    return ModelDrafter(draft, pool_blocks, block_size, device, dtype, make_inputs)
+    # a smaller model with the same tokenizer
+    draft, cfg = load_model(c.speculative, device=c.device, dtype=c.dtype)
+    draft_tokenizer = Tokenizer.from_pretrained(c.speculative)
+    checks.check_same_vocabulary(c.speculative, cfg, draft_tokenizer, target, tokenizer)
+    return ModelDrafter(draft, pool_blocks, c.block_size, c.device, c.dtype, make_inputs)

@@ -33,7 +33,8 @@ from support import bytelevel, checkpoint, checks
 # space for the next word: "  hi" -> " ", " hi").
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # SmolLM2 splits every digit on its own BEFORE the GPT-2 regex. Folded into one regex: a single
-# \p{N} comes first, and as digits are already cut out, whitespace before a digit keeps all its spaces.
+# \p{N} comes first, and as digits are already cut out, whitespace before a digit keeps all
+# its spaces.
 DIGITS_THEN_GPT2_PATTERN = (r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"
                             r"|\s+(?![^\s\p{N}])|\s+")
 # What an id beyond the vocabulary decodes to: U+FFFD, as invalid UTF-8 does. One character
@@ -71,34 +72,15 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str) -> "Tokenizer":
-        """Read tokenizer.json (+ tokenizer_config.json) of a checkpoint directory (support/checkpoint.py)."""
+        """Read tokenizer.json (+ tokenizer_config.json) of a checkpoint directory
+        (support/checkpoint.py)."""
         return cls(**checkpoint.read_tokenizer_files(path, GPT2_PATTERN, DIGITS_THEN_GPT2_PATTERN))
 
-    # -- encode / decode ------------------------------------------------------
-
-    def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """Text -> token ids. Special-token strings ("<|im_end|>") are plain text unless
-        allow_special=True: a user must not inject control tokens into someone's template."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        utf8 = text.encode("utf-8", errors="surrogatepass")
-        if len(utf8.translate(None, self.missing_bytes)) == len(utf8):   # the usual case: all in Rust
-            return self.enc.encode(text, allowed_special="all" if allow_special else set(),
-                                   disallowed_special=())
-        # Slow path in Python: split off specials, regex-split, drop missing bytes, merge with BPE.
-        ids = []
-        specials = "|".join(map(re.escape, self.specials)) if allow_special and self.specials else None
-        for i, chunk in enumerate(re.split(f"({specials})", text) if specials else [text]):
-            if i % 2:                                  # a captured special token
-                ids.append(self.specials[chunk])
-                continue
-            for piece in regex.findall(self.pattern, chunk):
-                ids += self._bpe(piece.encode("utf-8", errors="surrogatepass").translate(None, self.missing_bytes))
-        return ids
-
+    # -- the lesson: BPE, one piece at a time ---------------------------------
     def _bpe(self, piece: bytes) -> list[int]:
-        """The BPE merge loop on one piece: start from single bytes and keep
-        merging the adjacent pair whose concatenation has the lowest rank."""
+        """The BPE merge loop on one piece (a pre-tokenized word): start from single bytes and
+        keep merging the adjacent pair whose concatenation has the lowest rank. tiktoken runs
+        this loop in Rust; encode() calls this one only for text tiktoken cannot take."""
         # assignment: bpe
         parts = [piece[i:i + 1] for i in range(len(piece))]
         while len(parts) > 1:
@@ -110,6 +92,30 @@ class Tokenizer:
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         return [self.ranks[p] for p in parts]
         # end assignment
+
+    # -- encode / decode ------------------------------------------------------
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Text -> token ids. Special-token strings ("<|im_end|>") are plain text unless
+        allow_special=True: a user must not inject control tokens into someone's template."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        utf8 = text.encode("utf-8", errors="surrogatepass")
+        if len(utf8.translate(None, self.missing_bytes)) == len(utf8):   # usually: all in Rust
+            return self.enc.encode(text, allowed_special="all" if allow_special else set(),
+                                   disallowed_special=())
+        # Slow path in Python: split off specials, regex-split, drop missing bytes, merge with BPE.
+        ids = []
+        specials = None
+        if allow_special and self.specials:
+            specials = "|".join(map(re.escape, self.specials))
+        for i, chunk in enumerate(re.split(f"({specials})", text) if specials else [text]):
+            if i % 2:                                  # a captured special token
+                ids.append(self.specials[chunk])
+                continue
+            for piece in regex.findall(self.pattern, chunk):
+                piece = piece.encode("utf-8", errors="surrogatepass")
+                ids += self._bpe(piece.translate(None, self.missing_bytes))
+        return ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's bytes; an id this vocabulary lacks gives PLACEHOLDER's bytes (a legal
@@ -138,7 +144,7 @@ class Tokenizer:
     def _chat_parts(self, messages, add_generation_prompt):
         """ChatML as (text, is_special) pieces:
         <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n"""
-        checks.check_chat(messages, self.chat_template)      # a ChatML template; string roles and contents
+        checks.check_chat(messages, self.chat_template)   # ChatML; string roles and contents
         if messages[0]["role"] != "system" and self.default_system_prompt is not None:
             messages = [{"role": "system", "content": self.default_system_prompt}] + messages
         parts = []

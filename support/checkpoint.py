@@ -523,15 +523,21 @@ def random_tensors(expected: dict, seed: int = 0, device="cpu", dtype=torch.floa
     return tensors
 
 
+# SmolLM2's tokenizer (Apache-2.0), shipped with the project: "random:" presets
+# need no model on disk, so a GPU node with no network runs them straight away.
+SHIPPED_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_tokenizer")
+
+
 def tokenizer_path(path: str | None) -> str:
     """Where the tokenizer of a model path lives: a checkpoint directory holds
-    its own; "random:" presets (and None, the default model) use the default
-    model's tokenizer (SmolLM2's 49152 tokens; ids a bigger preset samples
-    beyond it decode to a placeholder, see tokenizer.py)."""
-    if path is None or os.fspath(path).startswith(RANDOM_PREFIX):
+    its own; None (the default model) uses the default model's; "random:"
+    presets use SmolLM2's, shipped in support/smollm2_tokenizer (49152 tokens;
+    ids a bigger preset samples beyond it decode to a placeholder, see tokenizer.py)."""
+    if path is None:
         return default_model_path()
+    if os.fspath(path).startswith(RANDOM_PREFIX):
+        return SHIPPED_TOKENIZER
     return os.fspath(path)
-
 
 
 # ----------------------------------------------------------------------------

@@ -8,17 +8,22 @@ the batch or another user's request. A request that would fail later, in
 the middle of a step, would cost its batch-mates that step.
 
 Why here and not in the tour: these lines teach nothing about inference, and
-the library (scheduler.py, sampler.py) and the server (serve.py) must refuse
+the library (engine.py, sampler.py) and the server (serve.py) must refuse
 exactly the same things, which they can only do if each check exists once.
-The RANGES stay with the lesson (SamplingParams.LIMITS in sampler.py); this
-file only walks them. Everything here runs while a request or an engine is
-built, never inside an engine step. Imports: the standard library and torch.
+The RANGES stay with the lessons (each field of SamplingParams in sampler.py
+and of EngineConfig in engine.py declares its own); this file only walks
+them. Everything here runs while a request or an engine is built, never
+inside an engine step. Imports: the standard library and torch.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import os
+import types
+import typing
 
 import torch
 
@@ -48,53 +53,101 @@ def fits_float(x) -> bool:
 
 
 def short(value, limit: int = 80) -> str:
-    """repr of a value for an error message, cut short (a stop list or a client's field can be megabytes)."""
+    """repr of a value for an error message, cut short (a stop list or a client's field can be
+    megabytes)."""
     r = repr(value)
     return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
 
 
 # ----------------------------------------------------------------------------
-# SamplingParams: its fields against its LIMITS
+# Declared fields: SamplingParams and EngineConfig against their own ranges
 # ----------------------------------------------------------------------------
+# A field declares its range beside it (sampler.knob, engine.option), in its
+# metadata: ge / gt / le (bounds), choices, items (a list's most entries),
+# chars (a string's most characters). Its type is its annotation. The walk
+# below reads both at every call, so a new field, or a tightened range, needs
+# no edit here, and the library and the server refuse the same values.
+
+NOUNS = {int: "an integer", float: "a number", bool: "a bool", str: "a string", type(None): "None"}
+
+
+def _interval(b) -> str:
+    """The bounds of a metadata dict as text: "in [1, 128]", "in (0, 1]", ">= 0", or ""."""
+    lo, hi = b.get("ge", b.get("gt")), b.get("le")
+    left = "[" if "ge" in b else "("
+    if lo is not None and hi is not None:
+        return f" in {left}{lo}, {hi}]"
+    return f" {'>=' if 'ge' in b else '>'} {lo}" if lo is not None else ""
+
+
+def _describe(kind, b) -> str:
+    """What a value of annotation `kind` within the bounds `b` must be, for an error message."""
+    if "choices" in b:
+        return " or ".join(map(repr, b["choices"]))
+    if typing.get_origin(kind) is list:
+        item = typing.get_args(kind)[0]
+        chars = f" of 1 to {b['chars']} characters" if "chars" in b else ""
+        plural = {int: "integers", float: "numbers", str: "strings"}[item]
+        return f"a list of at most {b['items']} {plural}{_interval(b)}{chars}"
+    if kind is int and b.get("ge") == 1 and "le" not in b:
+        return "a positive integer"
+    if kind is str and "chars" in b:
+        return f"a string of 1 to {b['chars']} characters"
+    noun = NOUNS.get(kind, getattr(kind, "__name__", str(kind)))
+    return noun + (_interval(b) if kind in (int, float) else "")
+
+
+def _within(value, b) -> bool:
+    return (value >= b.get("ge", value) and value <= b.get("le", value)
+            and ("gt" not in b or value > b["gt"]))
+
+
+def _fits(value, kind, b) -> bool:
+    """Is `value` of annotation `kind` (int, float, bool, str, None, list[X], or any class) and
+    within the bounds `b`? JSON's true is a bool, not the integer 1; 10**400 is no float."""
+    if typing.get_origin(kind) is list:
+        item = typing.get_args(kind)[0]
+        return (isinstance(value, list) and len(value) <= b["items"]
+                and all(_fits(v, item, b) for v in value))
+    if kind is int:
+        return is_int(value) and _within(value, b)
+    if kind is float:
+        return is_num(value) and fits_float(value) and math.isfinite(value) and _within(value, b)
+    if kind is str and "chars" in b:
+        return isinstance(value, str) and 0 < len(value) <= b["chars"]
+    return isinstance(value, kind)
+
+
+_annotations = functools.cache(typing.get_type_hints)   # a class's evaluated annotations
+
+
+def check_fields(obj, prefix: str = "") -> None:
+    """Raise ValueError naming the first field of the dataclass `obj` whose value is not of its
+    annotated type (any member of a union) or outside its declared range; tuples become lists."""
+    kinds = _annotations(type(obj))
+    for f in dataclasses.fields(obj):
+        value, b = getattr(obj, f.name), f.metadata
+        if isinstance(value, tuple):
+            setattr(obj, f.name, value := list(value))
+        kind = kinds[f.name]
+        options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+        if "choices" in b:
+            ok, what = value in b["choices"], _describe(None, b)
+        else:
+            ok = any(_fits(value, k, b) for k in options)
+            what = " or ".join(_describe(k, b) for k in options)
+        if not ok:
+            raise ValueError(f"{prefix}{f.name} must be {what}, got {short(value)}")
+
 
 def check_sampling_params(p) -> None:
-    """Raise ValueError naming the first field of `p` (a SamplingParams) outside
-    its range. The bounds are read from p.LIMITS at each call, so changing them
-    changes what the library and the server accept. A single stop string
-    becomes a one-element list; tuples become lists."""
-    L = p.LIMITS
-
-    def check(ok, name, what):
-        if not ok:
-            raise ValueError(f"SamplingParams.{name} must be {what}, got {short(getattr(p, name))}")
-    lo = 1 if p.prompt_logprobs is None else 0       # 0 tokens: score the prompt only (prompt_logprobs)
-    check(is_int(p.max_tokens) and lo <= p.max_tokens <= L["max_tokens"], "max_tokens",
-          f"an integer in [{lo}, {L['max_tokens']}]" + (" (0 only with prompt_logprobs)" if lo else ""))
-    check(is_num(p.temperature) and 0 <= p.temperature < math.inf and fits_float(p.temperature),
-          "temperature", "a finite number >= 0")
-    check(is_int(p.top_k) and p.top_k >= 0, "top_k", "an integer >= 0 (0 = off)")   # clamped to the vocabulary
-    check(is_num(p.top_p) and 0 < p.top_p <= 1, "top_p", "a number in (0, 1]")
-    lo, hi = L["seed"]
-    check(p.seed is None or (is_int(p.seed) and lo <= p.seed <= hi), "seed",
-          "None or an integer in [-2**63, 2**64 - 1]")
-    if isinstance(p.stop, str):
-        p.stop = [p.stop]
-    check(isinstance(p.stop, (list, tuple)) and len(p.stop) <= L["stop"] and all(
-          isinstance(s, str) and 0 < len(s) <= L["stop_chars"] for s in p.stop), "stop",
-          f"a list of at most {L['stop']} non-empty strings of at most {L['stop_chars']} characters")
-    p.stop = list(p.stop)
-    check(isinstance(p.stop_token_ids, (list, tuple)) and len(p.stop_token_ids) <= L["stop_token_ids"]
-          and all(is_int(t) and 0 <= t < 2**63 for t in p.stop_token_ids), "stop_token_ids",
-          f"a list of at most {L['stop_token_ids']} token ids")
-    p.stop_token_ids = list(p.stop_token_ids)
-    check(isinstance(p.ignore_eos, bool), "ignore_eos", "a bool")
-    check(is_int(p.n) and 1 <= p.n <= L["n"], "n", f"an integer in [1, {L['n']}]")
-    for name in ("logprobs", "prompt_logprobs"):
-        k = getattr(p, name)
-        check(k is None or (is_int(k) and 0 <= k <= L[name]), name, f"None or an integer in [0, {L[name]}]")
-    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        lo, hi = L[name]
-        check(is_num(getattr(p, name)) and lo <= getattr(p, name) <= hi, name, f"a number in [{lo}, {hi}]")
+    """SamplingParams' fields against their declared ranges; then the one rule that joins two
+    of them: 0 new tokens is a request that only scores its prompt (prompt_logprobs)."""
+    check_fields(p, "SamplingParams.")
+    if p.max_tokens == 0 and p.prompt_logprobs is None:
+        hi = type(p).__dataclass_fields__["max_tokens"].metadata["le"]
+        raise ValueError(f"SamplingParams.max_tokens must be an integer in [1, {hi}] "
+                         f"(0 only with prompt_logprobs), got 0")
 
 
 # ----------------------------------------------------------------------------
@@ -110,13 +163,15 @@ def check_request(ids, params, params_type, cfg, max_len: int, max_num_seqs: int
     if not (isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids)):
         raise TypeError("a prompt is a string or a list of token ids")
     ids = check_token_ids(list(ids), cfg.vocab_size)
-    check_prompt_length(len(ids), max_len, "context" if max_len == cfg.max_seq_len else "KV cache pool")
+    where = "context" if max_len == cfg.max_seq_len else "KV cache pool"
+    check_prompt_length(len(ids), max_len, where)
     check_seats(params.n, max_num_seqs)     # its n samples run side by side
     return ids
 
 
 def new_request_id(request_id, in_use, counter) -> str:
-    """A request's id: the caller's (as a string), which no live request may hold, or the counter's next."""
+    """A request's id: the caller's (as a string), which no live request may hold, or the
+    counter's next."""
     request_id = str(next(counter)) if request_id is None else str(request_id)
     if request_id in in_use:
         raise ValueError(f"request id {request_id!r} is already in use")
@@ -125,7 +180,8 @@ def new_request_id(request_id, in_use, counter) -> str:
 
 @contextlib.contextmanager
 def naming(what: str):
-    """Re-raise a ValueError or TypeError with `what` in front: which prompt of a list was refused."""
+    """Re-raise a ValueError or TypeError with `what` in front: which prompt of a list was
+    refused."""
     try:
         yield
     except (ValueError, TypeError) as e:
@@ -172,15 +228,19 @@ def check_seats(n: int, max_num_seqs: int) -> None:
                          f"max_num_seqs={max_num_seqs} sequences at once")
 
 
+ROLE_CONTENT = ("role", "content")
+
+
 def check_chat(messages, chat_template: str | None) -> None:
     """Tokenizer.apply_chat_template's input: a non-empty list of {'role', 'content'} string dicts,
     for a checkpoint whose template is ChatML (the only one implemented)."""
     if "<|im_start|>" not in (chat_template or ""):
-        raise ValueError("this checkpoint's chat template is not ChatML; only ChatML is implemented")
+        raise ValueError("this checkpoint's chat template is not ChatML; only ChatML is "
+                         "implemented")
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ROLE_CONTENT):
             raise ValueError(f"each message needs a string 'role' and 'content', got {m!r}")
 
 
@@ -194,15 +254,28 @@ def check_positive_ints(**values) -> None:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
-def check_engine_options(max_num_seqs, max_num_batched_tokens, compile: bool, tensor_parallel_size) -> None:
-    """LLM's batch limits, and options that cannot go together."""
-    check_positive_ints(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    if compile and tensor_parallel_size != 1:
+def check_engine_config(c) -> None:
+    """EngineConfig's fields against their declared ranges, then the options that depend
+    on each other: a speculative step's k drafts and the token they verify fit one step's
+    budget; compile=True runs on one device."""
+    check_fields(c)
+    if c.compile and c.tensor_parallel_size != 1:
         raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
+    if c.speculative is None:
+        return
+    directory = isinstance(c.speculative, str) and os.path.isdir(c.speculative)
+    if c.speculative != "ngram" and not directory:
+        raise ValueError(f"speculative must be None, 'ngram' or a draft model directory, "
+                         f"got {c.speculative!r}")
+    if c.max_num_batched_tokens < c.num_speculative_tokens + 1:
+        raise ValueError(f"speculation needs max_num_batched_tokens >= num_speculative_tokens + 1 "
+                         f"= {c.num_speculative_tokens + 1}")
 
 
-def check_pool_size(num_blocks: int, needed: int, budget: int, block_size: int, bytes_per_token: int) -> None:
-    """A KV pool's byte budget must hold the blocks the engine needs (a compiled step: one scratch block more)."""
+def check_pool_size(num_blocks: int, needed: int, budget: int, block_size: int,
+                    bytes_per_token: int) -> None:
+    """A KV pool's byte budget must hold the blocks the engine needs (a compiled step: one
+    scratch block more)."""
     if num_blocks < needed:
         raise ValueError(f"kv_cache_bytes={budget} is too small for {needed} block(s) of "
                          f"{block_size} tokens ({bytes_per_token * block_size} bytes each)")
@@ -225,19 +298,6 @@ def resolve_device_dtype(device, dtype, quantization):
     return device, dtype
 
 
-def check_speculative(speculative, k, max_k: int, max_num_batched_tokens: int) -> None:
-    """speculative is None, "ngram" or a draft model directory; k drafts
-    per step fit in [1, max_k] and, with the token they verify, in one step's budget."""
-    if speculative is None:
-        return
-    if not is_int(k) or not 1 <= k <= max_k:
-        raise ValueError(f"num_speculative_tokens must be an integer in [1, {max_k}], got {k!r}")
-    if max_num_batched_tokens < k + 1:
-        raise ValueError(f"speculation needs max_num_batched_tokens >= num_speculative_tokens + 1 = {k + 1}")
-    if speculative != "ngram" and not (isinstance(speculative, str) and os.path.isdir(speculative)):
-        raise ValueError(f"speculative must be None, 'ngram' or a draft model directory, got {speculative!r}")
-
-
 def check_tensor_parallel(cfg, world_size: int, device_type: str = "cpu") -> None:
     """parallel.py's split needs each rank to own whole heads, KV heads, FFN columns and
     vocabulary rows (vLLM replicates KV heads and pads the vocabulary; we refuse), and one
@@ -247,12 +307,14 @@ def check_tensor_parallel(cfg, world_size: int, device_type: str = "cpu") -> Non
              "FFN width": cfg.ffn_dim, "vocabulary size": cfg.vocab_size}
     bad = [f"{name} {n}" for name, n in sizes.items() if n % world_size]
     if bad:
-        raise ValueError(f"tensor_parallel_size={world_size} must divide the model's attention heads, "
-                         f"KV heads, FFN width and vocabulary size; it does not divide: {', '.join(bad)}")
+        raise ValueError(f"tensor_parallel_size={world_size} must divide the model's attention "
+                         f"heads, KV heads, FFN width and vocabulary size; it does not divide: "
+                         f"{', '.join(bad)}")
 
 
 def check_shardable(linear, types) -> None:
-    """shard_model slices each linear once, right after loading: an already sharded one is refused."""
+    """shard_model slices each linear once, right after loading: an already sharded one is
+    refused."""
     if type(linear) not in types:
         raise TypeError(f"cannot shard a {type(linear).__name__}: shard the model once, "
                         f"right after loading (and quantize_model)")
@@ -265,9 +327,12 @@ def check_kv_pool_args(num_blocks, kv_cache_dtype) -> None:
                          f"got {num_blocks!r}, {kv_cache_dtype!r}")
 
 
-def check_same_vocabulary(path, draft_config, draft_tokenizer, target_config, target_tokenizer) -> None:
-    """A draft model proposes token ids the target must read as the same tokens (configs' vocab_size,
-    tokenizers' ranks)."""
-    if draft_config.vocab_size != target_config.vocab_size or draft_tokenizer.ranks != target_tokenizer.ranks:
+def check_same_vocabulary(path, draft_config, draft_tokenizer, target_config,
+                          target_tokenizer) -> None:
+    """A draft model proposes token ids the target must read as the same tokens (configs'
+    vocab_size, tokenizers' ranks)."""
+    same = draft_config.vocab_size == target_config.vocab_size
+    if not same or draft_tokenizer.ranks != target_tokenizer.ranks:
         raise ValueError(f"the draft model at {path} has a different vocabulary "
-                         f"({draft_config.vocab_size} tokens) than the target ({target_config.vocab_size})")
+                         f"({draft_config.vocab_size} tokens) than the target "
+                         f"({target_config.vocab_size})")

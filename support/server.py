@@ -16,7 +16,8 @@ besides is here, each piece written once:
   * Reply: RequestOutput snapshots as OpenAI's JSON (choice indexes, echo,
     logprobs with text_offset, usage);
   * the endpoints beside generation: /v1/models, vLLM's /tokenize,
-    /detokenize and /tokenizer_info, /health, /metrics (Prometheus text);
+    /detokenize and /tokenizer_info, /health, /metrics (prometheus_client's
+    counters, gauges and histograms);
   * Guard, an ASGI middleware: the head's size (431), the API key
     (constant-time), the body's size before a byte of it is read
     (Content-Length first, a chunked body counted as it streams: 413), a
@@ -25,17 +26,19 @@ besides is here, each piece written once:
   * Server: uvicorn on a socket bound at once (port 0 picks a free port), with
     socketserver's verbs (serve_forever on a thread, shutdown, server_close);
     drain and serve_until_signal, the SIGTERM/Ctrl-C shutdown; the command
-    line's flags; one_shot; exposure_warning.
+    line's flags (one per field of EngineConfig); one_shot; exposure_warning.
 What uvicorn already does is left to it: a request beyond --max-connections
 gets its 503 (limit_concurrency), an idle keep-alive connection closes after
 --keep-alive-timeout, h11 refuses a malformed request with a 400. Imports:
-the standard library, starlette, fastapi, pydantic, uvicorn, support.checks;
-serve.py's objects (the Engine, the LLM, its outputs) are passed in.
+the standard library, starlette, fastapi, pydantic, uvicorn, prometheus_client,
+support.checks; serve.py's objects (the Engine, the LLM, its outputs) are
+passed in, and the engine's options as a dataclass (EngineConfig).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import re
@@ -44,8 +47,10 @@ import socket
 import sys
 import threading
 import time
+import typing
 from itertools import accumulate
 
+import prometheus_client
 import uvicorn
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,7 +73,10 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
         super().__init__(message)
-        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
+        self.status = status
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -85,7 +93,8 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; this request was not completed", code="server_shutting_down")
+    return APIError(503, "the server is shutting down; this request was not completed",
+                    code="server_shutting_down")
 
 
 def install_error_handlers(app) -> None:
@@ -98,12 +107,15 @@ def install_error_handlers(app) -> None:
         err = e.errors()[0]
         loc = [str(x) for x in err.get("loc", ())][1:]
         if err.get("type") == "json_invalid":
-            return error_response(APIError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error')}"))
+            why = err.get("ctx", {}).get("error")
+            return error_response(APIError(400, f"the body is not valid JSON: {why}"))
         param = loc[0] if loc else None
         where = ".".join(loc) or "the body"
-        return error_response(APIError(400, f"{where}: {err.get('msg')}, got {short(err.get('input'))}", param))
+        message = f"{where}: {err.get('msg')}, got {short(err.get('input'))}"
+        return error_response(APIError(400, message, param))
 
-    async def http_error(request, e: HTTPException):      # 404, 405 (with Allow), a body FastAPI cannot parse
+    # 404, 405 (with Allow), a body FastAPI cannot parse
+    async def http_error(request, e: HTTPException):
         return error_response(APIError(e.status_code, str(e.detail), headers=e.headers))
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
@@ -121,7 +133,8 @@ def utf8(text: str, param: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(400, f"{param!r} holds a lone UTF-16 surrogate, which is not text", param) from None
+        raise APIError(400, f"{param!r} holds a lone UTF-16 surrogate, which is not text",
+                       param) from None
     return text
 
 
@@ -138,7 +151,8 @@ def checked(cls, api_names: dict, **fields):
 
 def check_model(served: str, asked: str | None) -> None:
     if asked not in (None, served):
-        raise APIError(404, f"the model {asked[:100]!r} does not exist; this server serves {served!r}", "model",
+        raise APIError(404, f"the model {asked[:100]!r} does not exist; this server serves "
+                       f"{served!r}", "model",
                        "model_not_found")
 
 
@@ -146,14 +160,16 @@ def check_prompts(llm, prompts: list, param: str, max_waiting: int) -> list:
     """(token ids, text) prompts the engine can take: 1 to max_waiting of them (more could never
     wait at once), ids in the vocabulary, at least one, shorter than the context."""
     if not 0 < len(prompts) <= max_waiting:
-        raise APIError(400, f"a request holds 1 to {max_waiting} prompts, not {len(prompts)}", param)
+        raise APIError(400, f"a request holds 1 to {max_waiting} prompts, not {len(prompts)}",
+                       param)
     for ids, _ in prompts:
         try:
             check_token_ids(ids, llm.config.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e), param) from None
         if len(ids) >= llm.max_len:    # 413: well formed, but bigger than the context can ever hold
-            raise APIError(413, f"the prompt has {len(ids)} tokens; this server's context holds {llm.max_len}",
+            raise APIError(413, f"the prompt has {len(ids)} tokens; this server's context "
+                           f"holds {llm.max_len}",
                            param, "context_length_exceeded")
     return prompts
 
@@ -175,7 +191,8 @@ def logprobs_json(tok, ids: list, lps: list, offset: int, chat: bool) -> dict:
     Completions: tokens, token_logprobs, top_logprobs and text_offset (each token's start
     in the choice's text, from `offset`); chat: a content list with the tokens' bytes."""
     if chat:
-        entry = lambda t, lp: {"token": piece(tok, t), "logprob": lp, "bytes": list(tok.token_bytes(t))}  # noqa
+        def entry(t, lp):
+            return {"token": piece(tok, t), "logprob": lp, "bytes": list(tok.token_bytes(t))}
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top.items()]}
                             for t, (lp, top) in zip(ids, lps)]}
     tokens = [piece(tok, t) for t in ids]
@@ -189,12 +206,17 @@ class Reply:
     sample j is choice i * n + j, as OpenAI numbers them), the echoed prompt, logprobs, usage."""
 
     def __init__(self, llm, rids: list, prompts: list, params, chat: bool, echo: bool, model: str):
-        self.tok, self.prompts, self.chat, self.echo, self.n, self.k = \
-            llm.tokenizer, prompts, chat, echo, params.n, params.logprobs
-        self.order = {rid: i for i, rid in enumerate(rids)}     # engine request -> its prompt's position
-        self.outs: dict = {}                                    # engine request -> its latest output
-        self.sent: dict = {}                                    # choice -> characters sent (text_offset)
-        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + rids[0], "created": int(time.time()),
+        self.tok = llm.tokenizer
+        self.prompts = prompts
+        self.chat = chat
+        self.echo = echo
+        self.n = params.n
+        self.k = params.logprobs
+        self.order = {rid: i for i, rid in enumerate(rids)}   # engine request -> its prompt's index
+        self.outs: dict = {}                                  # engine request -> its latest output
+        self.sent: dict = {}                                  # choice -> characters sent (offsets)
+        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + rids[0],
+                     "created": int(time.time()),
                      "object": "chat.completion" if chat else "text_completion", "model": model}
 
     def index(self, out, c) -> int:
@@ -203,18 +225,27 @@ class Reply:
     def choice(self, out, c, delta: bool) -> dict:
         """One choice: all its text so far, or (a stream's delta) what this step added."""
         i = self.index(out, c)
-        text, ids, lps = (c.new_text, c.new_token_ids, c.new_logprobs) if delta else (c.text, c.token_ids, c.logprobs)
-        if self.echo and i not in self.sent:      # the prompt first (a stream: in the choice's first chunk)
+        if delta:
+            text, ids, lps = c.new_text, c.new_token_ids, c.new_logprobs
+        else:
+            text, ids, lps = c.text, c.token_ids, c.logprobs
+        if self.echo and i not in self.sent:   # the prompt first (a stream: in its first chunk)
             p_ids, p_text = self.prompts[self.order[out.request_id]]
-            text, ids = (self.tok.decode(p_ids) if p_text is None else p_text) + text, p_ids + ids
-            lps = (out.prompt_logprobs or [None] * len(p_ids)) + (lps or []) if self.k is not None else None
+            text = (self.tok.decode(p_ids) if p_text is None else p_text) + text
+            ids = p_ids + ids
+            if self.k is not None:
+                lps = (out.prompt_logprobs or [None] * len(p_ids)) + (lps or [])
         start = self.sent[i] = self.sent.get(i, 0)
         self.sent[i] += len(text)
         lp = None if self.k is None else logprobs_json(self.tok, ids, lps, start, self.chat)
         if not self.chat:
             return {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
-        message = ({"content": text} if text else {}) if delta else {"role": "assistant", "content": text}
-        return {"index": i, "delta" if delta else "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
+        if delta:
+            message = {"content": text} if text else {}
+        else:
+            message = {"role": "assistant", "content": text}
+        return {"index": i, "delta" if delta else "message": message, "logprobs": lp,
+                "finish_reason": c.finish_reason}
 
     def usage(self) -> dict:
         prompt = sum(len(ids) for ids, _ in self.prompts)
@@ -236,7 +267,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True            # this tokenizer adds none (no BOS), as for /v1/completions
+    add_special_tokens: bool = True     # this tokenizer adds none (no BOS), as /v1/completions
     return_token_strs: bool | None = None
 
 
@@ -249,18 +280,22 @@ class DetokenizeRequest(BaseModel):
 @side_routes.get("/v1/models")
 async def models(request: Request):
     llm, name = request.app.state.engine.llm, request.app.state.model
-    # root: where the weights come from (vLLM's field; `vllm bench serve` loads its tokenizer from it)
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "nanoinfer",
-                                        "root": llm.path, "parent": None, "max_model_len": llm.max_len}]}
+    # root: where the weights come from (vLLM's field; `vllm bench serve` loads its tokenizer
+    # from it)
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "nanoinfer",
+            "root": llm.path, "parent": None, "max_model_len": llm.max_len}
+    return {"object": "list", "data": [card]}
 
 
 @side_routes.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
     llm = request.app.state.engine.llm
     check_model(request.app.state.model, body.model)
-    ids = llm.tokenizer.encode(utf8(body.prompt, "prompt"), allow_special=True)   # as /v1/completions encodes
+    # as /v1/completions encodes it
+    ids = llm.tokenizer.encode(utf8(body.prompt, "prompt"), allow_special=True)
     return {"count": len(ids), "max_model_len": llm.max_len, "tokens": ids,
-            "token_strs": [piece(llm.tokenizer, t) for t in ids] if body.return_token_strs else None}
+            "token_strs": [piece(llm.tokenizer, t) for t in ids]
+            if body.return_token_strs else None}
 
 
 @side_routes.post("/detokenize")
@@ -274,12 +309,14 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 
 @side_routes.get("/tokenizer_info")
 async def tokenizer_info(request: Request):
-    """What tokenizer_config.json would say, as vLLM's endpoint gives it (lm-eval reads eos_token)."""
+    """What tokenizer_config.json would say, as vLLM's endpoint gives it (lm-eval reads
+    eos_token)."""
     llm = request.app.state.engine.llm
     tok = llm.tokenizer
     name = lambda i: None if i is None else tok.id_to_special.get(i, tok.decode([i]))   # noqa: E731
     return {"tokenizer_class": type(tok).__name__, "eos_token": name(tok.eos_token_id),
-            "bos_token": name(tok.bos_token_id), "pad_token": None, "chat_template": tok.chat_template,
+            "bos_token": name(tok.bos_token_id), "pad_token": None,
+            "chat_template": tok.chat_template,
             "model_max_length": llm.max_len, "vocab_size": tok.vocab_size}
 
 
@@ -293,14 +330,15 @@ async def health(request: Request):
 @side_routes.get("/metrics")
 async def metrics(request: Request):
     engine = request.app.state.engine
-    return PlainTextResponse(engine.metrics.text(engine.llm), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(engine.metrics.text(),
+                             media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
 
 # ----------------------------------------------------------------------------
 # Guard: the head, the API key, the body (before the app sees them), and bugs
 # ----------------------------------------------------------------------------
 
-OPEN_PATHS = ("/health", "/metrics")      # probes and scrapers: no prompts or outputs pass through them
+OPEN_PATHS = ("/health", "/metrics")   # probes and scrapers: no prompt or output passes there
 
 
 class Guard:
@@ -313,8 +351,12 @@ class Guard:
     500 error object and one line in the log (no traceback is formatted: on
     Python 3.11 that races with another thread's, see CPython gh-106905)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float, max_header_bytes: int):
-        self.app, self.api_key, self.max_body_bytes, self.body_timeout = app, api_key, max_body_bytes, body_timeout
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float,
+                 max_header_bytes: int):
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope, receive, send):
@@ -322,15 +364,17 @@ class Guard:
             return await self.app(scope, receive, send)
         headers, limit = Headers(scope=scope), self.max_body_bytes
         # h11 bounds only a head still arriving; one that came whole is measured here
-        head = len(scope.get("raw_path", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        head = len(scope.get("raw_path", b""))
+        head += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         if head > self.max_header_bytes:
-            return await error_response(APIError(431, f"the request line and headers exceed {self.max_header_bytes} "
-                                                 "bytes", code="headers_too_large"))(scope, receive, send)
+            e = APIError(431, f"the request line and headers exceed {self.max_header_bytes} bytes",
+                         code="headers_too_large")
+            return await error_response(e)(scope, receive, send)
         if self.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
-            return await error_response(APIError(401, "a valid API key is required: send 'Authorization: Bearer "
-                                                 "<key>'", code="invalid_api_key",
-                                                 headers={"WWW-Authenticate": "Bearer"}))(scope, receive, send)
-        declared = headers.get("content-length")       # h11 has refused a malformed one already (400)
+            e = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await error_response(e)(scope, receive, send)
+        declared = headers.get("content-length")   # h11 has refused a malformed one already (400)
         if declared is not None and int(declared) > limit:
             return await self._too_large(declared, scope, receive, send)
         chunks, size, more = [], 0, True
@@ -345,8 +389,9 @@ class Guard:
                 if size > limit:
                     return await self._too_large(f"more than {limit}", scope, receive, send)
         except TimeoutError:
-            return await error_response(APIError(408, f"the request body did not arrive within "
-                                                 f"{self.body_timeout:g} s", code="timeout"))(scope, receive, send)
+            e = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                         code="timeout")
+            return await error_response(e)(scope, receive, send)
         buffered = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay():
@@ -358,9 +403,9 @@ class Guard:
             await send(message)
         try:
             await self.app(scope, replay, tracked)
-        except Exception as e:     # a bug: one line in the server's log, never a traceback to the client
-            print(f"nanoinfer: error handling {scope['method']} {scope['path'][:200]}: {e!r}", file=sys.stderr,
-                  flush=True)
+        except Exception as e:     # a bug: one line in the server's log, no traceback to the client
+            print(f"nanoinfer: error handling {scope['method']} {scope['path'][:200]}: {e!r}",
+                  file=sys.stderr, flush=True)
             if not started:        # (after the response began, uvicorn closes the connection)
                 await error_response(APIError(500, "internal server error"))(scope, receive, send)
 
@@ -374,84 +419,71 @@ class Guard:
     async def _too_large(self, size, scope, receive, send):
         # uvicorn reads and drops the rest of an unread body, so the connection
         # stays usable and the client reads this answer (no reset).
-        e = APIError(413, f"the body has {str(size)[:30]} bytes; this server takes at most {self.max_body_bytes}",
-                     code="body_too_large")
+        e = APIError(413, f"the body has {str(size)[:30]} bytes; this server takes at most "
+                     f"{self.max_body_bytes}", code="body_too_large")
         await error_response(e)(scope, receive, send)
 
 
 # ----------------------------------------------------------------------------
-# Metrics: Prometheus counters, gauges and histograms
+# Metrics: Prometheus counters, gauges and histograms (prometheus_client)
 # ----------------------------------------------------------------------------
 
 # From 5 ms (one compiled GPU decode step) to 30 s (a long queue on a CPU):
 # roughly 2-2.5x apart, so any quantile is known to within a factor of ~2.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-
-class Histogram:
-    """Cumulative buckets, as Prometheus wants them."""
-
-    def __init__(self, name: str, help_text: str, buckets=LATENCY_BUCKETS):
-        self.name, self.help, self.buckets = name, help_text, list(buckets)
-        self.counts, self.sum, self.count = [0] * len(self.buckets), 0.0, 0
-
-    def observe(self, value: float):
-        # Prometheus buckets are cumulative ("<= le"), so a value counts in every
-        # bucket at or above it; a scraper derives quantiles from the differences.
-        for i, b in enumerate(self.buckets):
-            if value <= b:
-                self.counts[i] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        lines += [f'{self.name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum}",
-                  f"{self.name}_count {self.count}"]
-        return lines
+COUNTERS = {"prompt_tokens_total": "Prompt tokens of finished requests.",
+            "generation_tokens_total": "Generated tokens.",
+            "requests_finished_total": "Requests finished.",
+            "requests_aborted_total": "Requests aborted (client gone, or drained).",
+            "requests_failed_total": "Requests failed by an engine error."}
 
 
-HELP = {"requests_running": "Sequences in the running batch.", "requests_waiting": "Sequences waiting for a seat.",
-        "kv_blocks_total": "KV cache blocks in the pool.",
-        "kv_blocks_free": "KV blocks free (including cached ones).", "kv_blocks_used": "KV blocks held by sequences.",
-        "kv_blocks_cached": "Free KV blocks still holding a reusable prefix.",
-        "prompt_tokens_total": "Prompt tokens of finished requests.", "generation_tokens_total": "Generated tokens.",
-        "requests_finished_total": "Requests finished.",
-        "requests_aborted_total": "Requests aborted (client gone, or drained).",
-        "requests_failed_total": "Requests failed by an engine error."}
-
-
-def prometheus_text(gauges: dict, counters: dict, histograms) -> str:
-    """Prometheus' text format: # HELP, # TYPE, then `nanoinfer_<name> <value>`."""
-    lines = []
-    for kind, rows in (("gauge", gauges), ("counter", counters)):
-        for name, value in rows.items():
-            lines += [f"# HELP nanoinfer_{name} {HELP[name]}", f"# TYPE nanoinfer_{name} {kind}",
-                      f"nanoinfer_{name} {value}"]
-    for h in histograms:
-        lines += h.render()
-    return "\n".join(lines) + "\n"
+def _gauges(llm) -> dict:
+    """name -> (help, a function read at scrape time): the engine's own structures, each a
+    single len() or counter, so a scrape in the middle of a step never sees a torn value."""
+    bm, sch = llm.block_manager, llm.scheduler
+    return {"requests_running": ("Sequences in the running batch.", lambda: len(sch.running)),
+            "requests_waiting": ("Sequences waiting for a seat.", lambda: len(sch.waiting)),
+            "kv_blocks_total": ("KV cache blocks in the pool.", lambda: bm.num_blocks),
+            "kv_blocks_free": ("KV blocks free (including cached ones).",
+                               lambda: bm.num_free_blocks),
+            "kv_blocks_used": ("KV blocks held by sequences.",
+                               lambda: bm.num_blocks - bm.num_free_blocks),
+            "kv_blocks_cached": ("Free KV blocks still holding a reusable prefix.",
+                                 lambda: bm.num_cached_blocks)}
 
 
 class Metrics:
-    """What /metrics reports: counters and latency histograms fed from each RequestOutput
-    snapshot (observe), and gauges read from the engine at scrape time (text)."""
+    """What /metrics reports, as nanoinfer_<name>: counters and latency histograms fed from
+    each RequestOutput snapshot (observe), gauges read from the engine at scrape time. One
+    registry per server; prometheus_client's metrics are thread-safe (the engine thread
+    writes, a scrape reads) and it writes the text format."""
 
-    def __init__(self):
-        self.lock = threading.Lock()     # the engine thread writes, a scrape reads
-        self.counts = dict.fromkeys(("prompt_tokens_total", "generation_tokens_total", "requests_finished_total",
-                                     "requests_aborted_total", "requests_failed_total"), 0)
-        self.ttft = Histogram("nanoinfer_time_to_first_token_seconds", "Arrival to first token.")
-        self.itl = Histogram("nanoinfer_inter_token_latency_seconds", "Time between streamed tokens.")
+    def __init__(self, llm):
+        self.registry = prometheus_client.CollectorRegistry()
+        self.counters = {name: prometheus_client.Counter("nanoinfer_" + name, text,
+                                                         registry=self.registry)
+                         for name, text in COUNTERS.items()}
+        for name, (text, read) in _gauges(llm).items():
+            gauge = prometheus_client.Gauge("nanoinfer_" + name, text, registry=self.registry)
+            gauge.set_function(read)
+        self.ttft = prometheus_client.Histogram("nanoinfer_time_to_first_token_seconds",
+                                                "Arrival to first token.", registry=self.registry,
+                                                buckets=LATENCY_BUCKETS)
+        self.itl = prometheus_client.Histogram("nanoinfer_inter_token_latency_seconds",
+                                               "Time between streamed tokens.",
+                                               registry=self.registry, buckets=LATENCY_BUCKETS)
         self.last: dict = {}             # request id -> (time, tokens) of its last output
+
+    def value(self, counter: str) -> float:
+        return self.registry.get_sample_value("nanoinfer_" + counter)
 
     def ended(self, rid: str, counter: str | None = None):
         """A request left the engine (finished, aborted or failed: `counter`)."""
         self.last.pop(rid, None)
         if counter:
-            with self.lock:
-                self.counts[counter] += 1
+            self.counters[counter].inc()
 
     def observe(self, out):
         now, m = time.perf_counter(), out.metrics
@@ -460,29 +492,21 @@ class Metrics:
         # divided by the tokens it brought (speculation can bring several), is
         # the inter-token latency: one engine step of the whole batch.
         last_time, last_tokens = self.last.get(out.request_id, (now, 0))
-        with self.lock:
-            if last_tokens == 0 and tokens > 0 and m.time_to_first_token is not None:
-                self.ttft.observe(m.time_to_first_token)
-            elif tokens > last_tokens:
-                self.itl.observe((now - last_time) / (tokens - last_tokens))
-            self.counts["generation_tokens_total"] += tokens - last_tokens
-            if out.finished:
-                self.counts["prompt_tokens_total"] += m.prompt_tokens
-                self.counts["requests_finished_total"] += 1
+        if last_tokens == 0 and tokens > 0 and m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+        elif tokens > last_tokens:
+            self.itl.observe((now - last_time) / (tokens - last_tokens))
+        if tokens > last_tokens:
+            self.counters["generation_tokens_total"].inc(tokens - last_tokens)
         if out.finished:
+            self.counters["prompt_tokens_total"].inc(m.prompt_tokens)
+            self.counters["requests_finished_total"].inc()
             self.last.pop(out.request_id, None)
         else:
             self.last[out.request_id] = (now, tokens)
 
-    def text(self, llm) -> str:
-        # Gauges are read live from the engine's structures (a scrape may see them
-        # mid-step; each is a single len() or counter, so it is never torn).
-        bm, sch = llm.block_manager, llm.scheduler
-        gauges = {"requests_running": len(sch.running), "requests_waiting": len(sch.waiting),
-                  "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free_blocks,
-                  "kv_blocks_used": bm.num_blocks - bm.num_free_blocks, "kv_blocks_cached": bm.num_cached_blocks}
-        with self.lock:
-            return prometheus_text(gauges, self.counts, (self.ttft, self.itl))
+    def text(self) -> str:
+        return prometheus_client.generate_latest(self.registry).decode()
 
 
 # ----------------------------------------------------------------------------
@@ -506,29 +530,36 @@ class Server:
     h11's 400 while a head still arriving is over it)."""
 
     def __init__(self, app, host: str, port: int, routers=(), *, api_key: str | None = None,
-                 max_body_bytes: int = 4 << 20, body_timeout: float = 30.0, max_connections: int = 512,
-                 keep_alive_timeout: float = 5.0, max_header_bytes: int = 64 << 10, graceful_seconds: float = 5.0):
-        self.limits = dict(api_key=api_key or None, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
-                           max_connections=max_connections, keep_alive_timeout=keep_alive_timeout)
+                 max_body_bytes: int = 4 << 20, body_timeout: float = 30.0,
+                 max_connections: int = 512, keep_alive_timeout: float = 5.0,
+                 max_header_bytes: int = 64 << 10, graceful_seconds: float = 5.0):
+        self.limits = dict(api_key=api_key or None, max_body_bytes=max_body_bytes,
+                           body_timeout=body_timeout, max_connections=max_connections,
+                           keep_alive_timeout=keep_alive_timeout)
         check_limits(**{k: v for k, v in self.limits.items() if k != "api_key"})
         self.app = app
         install_error_handlers(app)
         for r in routers:
             app.include_router(r)
-        app.add_middleware(Guard, api_key=api_key or None, max_body_bytes=max_body_bytes, body_timeout=body_timeout,
-                           max_header_bytes=max_header_bytes)
+        app.add_middleware(Guard, api_key=api_key or None, max_body_bytes=max_body_bytes,
+                           body_timeout=body_timeout, max_header_bytes=max_header_bytes)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # The kernel's queue of connections not yet accepted: a burst of connects
         # must wait there, not be reset, while the event loop is busy.
-        self.socket = socket.create_server((host, port), family=family, backlog=min(max_connections, socket.SOMAXCONN))
+        self.socket = socket.create_server((host, port), family=family,
+                                           backlog=min(max_connections, socket.SOMAXCONN))
         self.server_address = self.socket.getsockname()[:2]
-        config = uvicorn.Config(app, http="h11", lifespan="off", log_config=None, log_level="warning",
-                                access_log=False, limit_concurrency=max_connections,
-                                timeout_keep_alive=keep_alive_timeout, timeout_graceful_shutdown=graceful_seconds,
+        config = uvicorn.Config(app, http="h11", lifespan="off", log_config=None,
+                                log_level="warning", access_log=False,
+                                limit_concurrency=max_connections,
+                                timeout_keep_alive=keep_alive_timeout,
+                                timeout_graceful_shutdown=graceful_seconds,
                                 h11_max_incomplete_event_size=max_header_bytes)
-        self.uvicorn, self._serving, self._done = uvicorn.Server(config), threading.Event(), threading.Event()
+        self.uvicorn = uvicorn.Server(config)
+        self._serving = threading.Event()
+        self._done = threading.Event()
 
-    def serve_forever(self, poll_interval: float | None = None):     # uvicorn polls its exit flag every 0.1 s
+    def serve_forever(self, poll_interval: float | None = None):   # uvicorn polls every 0.1 s
         self._serving.set()
         try:
             self.uvicorn.run(sockets=[self.socket])
@@ -551,7 +582,7 @@ def drain(engine, timeout: float, hurry: threading.Event | None = None) -> dict:
     balancer sends users elsewhere); those in flight get `timeout` seconds to finish (less if
     `hurry` is set); the rest are aborted, their routes told so (a JSON error, or a stream's
     error event). Returns in_flight, aborted, kv_blocks_free, kv_blocks_total."""
-    aborted, in_flight = engine.metrics.counts["requests_aborted_total"], engine.start_draining()
+    aborted, in_flight = engine.metrics.value("requests_aborted_total"), engine.start_draining()
     deadline = time.monotonic() + timeout
     while engine.live and time.monotonic() < deadline and not (hurry and hurry.is_set()):
         time.sleep(0.02)
@@ -559,7 +590,8 @@ def drain(engine, timeout: float, hurry: threading.Event | None = None) -> dict:
     while engine.live and time.monotonic() < deadline + 30:
         time.sleep(0.02)
     bm = engine.llm.block_manager
-    return {"in_flight": in_flight, "aborted": engine.metrics.counts["requests_aborted_total"] - aborted,
+    aborted = int(engine.metrics.value("requests_aborted_total") - aborted)
+    return {"in_flight": in_flight, "aborted": aborted,
             "kv_blocks_free": bm.num_free_blocks, "kv_blocks_total": bm.num_blocks}
 
 
@@ -579,10 +611,10 @@ def serve_until_signal(server: Server, drain_seconds: float) -> None:
     while not stop.wait(0.5) and thread.is_alive():
         pass
     engine = server.engine
-    print(f"\nnanoinfer: draining: {len(engine.live)} requests in flight get up to {drain_seconds:g} s "
-          f"(signal again to stop them now)", flush=True)
+    print(f"\nnanoinfer: draining: {len(engine.live)} requests in flight get up to "
+          f"{drain_seconds:g} s (signal again to stop them now)", flush=True)
     report = drain(engine, drain_seconds, hurry)
-    server.shutdown()                  # the routes write the drained requests' errors, then uvicorn stops
+    server.shutdown()           # the routes write the drained requests' errors, then uvicorn stops
     server.server_close()
     engine.stop()
     engine.llm.close()                 # after the engine thread: tensor-parallel workers stop last
@@ -600,8 +632,8 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
         loopback = host == "localhost"
     if loopback:
         return None
-    return (f"nanoinfer: WARNING: listening on {host or 'every interface'} without an API key: anyone who can "
-            f"reach this port can use it (set --api-key or NANOINFER_API_KEY)")
+    return (f"nanoinfer: WARNING: listening on {host or 'every interface'} without an API key: "
+            f"anyone who can reach this port can use it (set --api-key or NANOINFER_API_KEY)")
 
 
 # ----------------------------------------------------------------------------
@@ -609,32 +641,25 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 # ----------------------------------------------------------------------------
 
 
-def serve_arguments(argv, description: str) -> argparse.Namespace:
-    """serve.py's command line: every engine option of LLM, the serving limits, one-shot mode."""
-    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2-135M-Instruct)")
+def serve_arguments(argv, description: str, config_type) -> argparse.Namespace:
+    """serve.py's command line: a flag per engine option, the serving limits, one-shot mode."""
+    ap = argparse.ArgumentParser(description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    for flag, default in (("--max-num-seqs", 64), ("--max-num-batched-tokens", 2048), ("--kv-cache-bytes", None),
-                          ("--block-size", 16), ("--num-speculative-tokens", 4)):
-        ap.add_argument(flag, type=int, default=default)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="split every layer over N devices (N-1 worker processes, parallel.py)")
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--quantization", choices=["int8"], default=None)
-    ap.add_argument("--kv-cache-dtype", choices=["int8"], default=None)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--speculative", default=None, help="'ngram' or a draft model directory")
+    option_flags(ap.add_argument_group("engine options (engine.EngineConfig)"), config_type)
     srv = ap.add_argument_group("serving limits (docs/SERVING.md)")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' except on /health and "
-                     "/metrics (default: $NANOINFER_API_KEY, which keeps the key out of the process list)")
-    srv.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 503")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' except on /health and /metrics "
+                     "(default: $NANOINFER_API_KEY, which keeps the key out of the process list)")
+    srv.add_argument("--max-waiting", type=int, default=256,
+                     help="queued requests before answering 503")
     srv.add_argument("--max-request-tokens", type=int, default=None,
                      help="prompts x n x max_tokens at most per request (default 16 x the context)")
-    srv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413 (default 4 MiB)")
-    srv.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request's body to arrive (408)")
+    srv.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                     help="larger bodies get 413 (default 4 MiB)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds for a request's body to arrive (408)")
     srv.add_argument("--max-connections", type=int, default=512,
                      help="uvicorn's limit_concurrency: connections or requests beyond it get 503")
     srv.add_argument("--keep-alive-timeout", type=float, default=5.0,
@@ -643,19 +668,33 @@ def serve_arguments(argv, description: str) -> argparse.Namespace:
                      help="on SIGTERM/Ctrl-C, how long requests in flight may still run")
     one = ap.add_argument_group("one-shot")
     one.add_argument("--prompt", default=None, help="one-shot: generate for this prompt and exit")
-    one.add_argument("--chat", action="store_true", help="one-shot: wrap --prompt in the chat template")
+    one.add_argument("--chat", action="store_true",
+                     help="one-shot: wrap --prompt in the chat template")
     one.add_argument("--max-tokens", type=int, default=256, help="one-shot: tokens to generate")
     one.add_argument("--temperature", type=float, default=0.0, help="one-shot: 0 = greedy")
     return ap.parse_args(argv)
 
 
-def llm_options(args: argparse.Namespace) -> dict:
-    """LLM's keyword arguments from serve_arguments' flags."""
-    return dict(device=args.device, dtype=args.dtype, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, quantization=args.quantization,
-                kv_cache_dtype=args.kv_cache_dtype, compile=args.compile, speculative=args.speculative,
-                num_speculative_tokens=args.num_speculative_tokens, tensor_parallel_size=args.tensor_parallel_size)
+def option_flags(group, config_type) -> None:
+    """A flag per field of the dataclass config_type (EngineConfig): --block-size for block_size
+    (or the field's own "flag"), its default, its help, its choices; a bool is --x / --no-x."""
+    kinds = typing.get_type_hints(config_type)
+    for f in dataclasses.fields(config_type):
+        kind, meta = kinds[f.name], f.metadata
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        if kind is bool:
+            extra = {"action": argparse.BooleanOptionalAction}
+        else:           # int, int | None: an integer; everything else is given as text
+            extra = {"type": int if int in (typing.get_args(kind) or (kind,)) else str}
+            if "choices" in meta:
+                extra["choices"] = [c for c in meta["choices"] if c is not None]
+        shown = "" if f.default is None or kind is bool else " (default: %(default)s)"
+        group.add_argument(flag, dest=f.name, default=f.default, help=meta["help"] + shown, **extra)
+
+
+def engine_config(args: argparse.Namespace, config_type):
+    """The config_type (EngineConfig) that option_flags' flags describe."""
+    return config_type(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_type)})
 
 
 def http_limits(args: argparse.Namespace, api_key: str | None) -> dict:
@@ -670,7 +709,8 @@ def one_shot(llm, prompt: str, chat: bool, params, out=None):
     text (the engine holds back what may still become a stop string)."""
     out = out or sys.stdout
     if chat:
-        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
+        message = {"role": "user", "content": prompt}
+        ids = llm.tokenizer.apply_chat_template([message], tokenize=True)
     else:
         ids = llm.tokenizer.encode(prompt, allow_special=True)
     rid = llm.add_request(ids, params)

@@ -157,7 +157,7 @@ ASSIGNMENTS = {
         "server-sent events: a 200 text/event-stream response, one data: chunk per delta (chat names the "
         "role first), a last chunk with usage, then data: [DONE]"),
     "roofline": Assignment(
-        "3 and 12. the roofline, measured (bench.py)",
+        "3 and 12. the roofline, counted (model.py)",
         "FLOPs per token: 2 per weight of every matmul (q, k, v, o, gate, up, down, the LM head) plus "
         "attention's QK^T and PV over the context"),
 }

@@ -301,6 +301,7 @@ SLOW_TESTS = {
     "tests/test_speculative.py::test_ngram_greedy_is_exact_under_preemption": 300,          # many steps
     "tests/test_speculative.py::test_target_as_its_own_draft_accepts_everything": 300,
     "tests/test_speculative.py::test_bad_draft_model_is_exact_and_rolls_back": 300,
+    "tests/test_bench.py::test_a_new_user_runs_check_and_quick_to_the_end": 300,        # two bench.py processes
 }
 
 

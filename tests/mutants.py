@@ -82,9 +82,9 @@ BUGS = [
     Bug("kv-cache-bytes", "cache.py", "forgets the factor 2: counts K but not V",
         "return 2 * cfg.n_layers * cfg.n_kv_heads", "return cfg.n_layers * cfg.n_kv_heads"),
     Bug("kv-cache-bytes", "cache.py", "counts query heads instead of KV heads (no GQA saving)",
-        "cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits", "cfg.n_heads * cfg.head_dim * torch.finfo(dtype).bits"),
+        "cfg.n_kv_heads * cfg.head_dim * bytes_per_value", "cfg.n_heads * cfg.head_dim * bytes_per_value"),
     Bug("kv-cache-bytes", "cache.py", "bits instead of bytes per value",
-        "torch.finfo(dtype).bits // 8 * num_tokens", "torch.finfo(dtype).bits * num_tokens"),
+        "bytes_per_value = torch.finfo(dtype).bits // 8", "bytes_per_value = torch.finfo(dtype).bits"),
     Bug("kv-cache-bytes", "cache.py", "rounds the block count up: the pool exceeds the budget",
         "return int(budget_bytes // (bytes_per_token * block_size))",
         "return math.ceil(budget_bytes / (bytes_per_token * block_size))"),
@@ -100,7 +100,7 @@ BUGS = [
         "qg = q[start:start + n_q].view(n_q, n_kv, H // n_kv, d)",
         "qg = q[start:start + n_q].view(n_q, H // n_kv, n_kv, d).transpose(1, 2)"),
     Bug("paged-attention", "cache.py", "scores not scaled by 1/sqrt(d)",
-        "k.float()) / math.sqrt(d)  # [n_kv, G, n_q, T]", "k.float())  # [n_kv, G, n_q, T]"),
+        "k.float()) / math.sqrt(d)\n", "k.float())\n"),
     Bug("paged-attention", "cache.py", "the batch's query offset never advances (every sequence reads the first queries)",
         "        start += n_q\n    return out", "    return out"),
 
@@ -189,15 +189,15 @@ BUGS = [
     Bug("scheduler-step", "scheduler.py", "a prompt still being scored (prompt_logprobs) reads the prefix cache",
         "use_prefix_cache=seq.request.num_scored == seq.num_prompt)", "use_prefix_cache=True)"),
     Bug("scheduler-step", "scheduler.py", "a preempted sequence keeps its num_computed (stale cache count)",
-        "seq.num_computed, seq.status, seq.draft_tokens = 0, WAITING, []",
-        "seq.status, seq.draft_tokens = WAITING, []"),
+        "seq.num_computed = 0                 # its tokens stay",
+        "pass                                 # its tokens stay"),
 
     # ------------------------------------------------------------ sampler (sampler.py)
     Bug("sampler", "sampler.py", "top-k keeps k + 1 tokens",
-        "vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values          # [Rk, kmax], descending\n"
-        "        kth = vals.gather(1, torch.tensor([[top_k[i] - 1] for i in k_rows], device=logits.device))",
+        "vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values      # [Rk, kmax], descending\n"
+        "        kth = vals.gather(1, torch.tensor([[top_k[i] - 1] for i in k_rows], device=dev))",
         "vals = sub.topk(max(top_k[i] for i in k_rows) + 1, dim=-1).values\n"
-        "        kth = vals.gather(1, torch.tensor([[top_k[i]] for i in k_rows], device=logits.device))"),
+        "        kth = vals.gather(1, torch.tensor([[top_k[i]] for i in k_rows], device=dev))"),
     Bug("sampler", "sampler.py", "temperature multiplies the logits instead of dividing them",
         "logits = logits / temperature[:, None]", "logits = logits * temperature[:, None]"),
     Bug("sampler", "sampler.py", "top-p drops the token that crosses the threshold",
@@ -212,7 +212,7 @@ BUGS = [
     Bug("sampler", "sampler.py", "noise counter forgets the stream spacing: streams overlap across positions",
         "(position * 3 + stream + 1) * GOLDEN", "(position + stream + 1) * GOLDEN"),
     Bug("sampler", "sampler.py", 'min-p keeps everything: the floor is not scaled by the top probability',
-        'floor = probs.amax(dim=-1, keepdim=True) * torch.tensor', 'floor = 0 * probs.amax(dim=-1, keepdim=True) + torch.tensor'),
+        'floor = probs.amax(dim=-1, keepdim=True) * m', 'floor = 0 * probs.amax(dim=-1, keepdim=True) + m'),
     Bug("sampler", "sampler.py", 'repetition penalty divides negative logits too (makes them more likely)',
         'x = torch.where(x > 0, x / rep, x * rep)', 'x = x / rep'),
     Bug("sampler", "sampler.py", "presence/frequency penalties count the prompt's tokens too (vLLM: the output only)",
@@ -224,7 +224,7 @@ BUGS = [
     Bug("sampler", "sampler.py", "repetition penalty forgets the prompt's tokens",
         'rep = torch.where(in_prompt | seen,', 'rep = torch.where(seen,'),
     Bug("sampler", "sampler.py", 'min-p measured against the second most likely token',
-        'floor = probs.amax(dim=-1, keepdim=True) * torch', 'floor = probs.topk(2, dim=-1).values[:, 1:] * torch'),
+        'floor = probs.amax(dim=-1, keepdim=True) * m', 'floor = probs.topk(2, dim=-1).values[:, 1:] * m'),
     Bug("sampler", "sampler.py", "logprobs computed from temperature-scaled logits",
         "logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)",
         "logp = (logits[torch.as_tensor(ridx, device=logits.device)] / 0.7).log_softmax(dim=-1)"),
@@ -359,15 +359,15 @@ BUGS = [
         '            yield "data: " + json.dumps(error_json(e)) + "\\n\\ndata: [DONE]\\n\\n"',
         '            return'),
 
-    # ------------------------------------------------------------ roofline (bench.py)
-    Bug("roofline", "bench.py", "forgets the LM head",
+    # ------------------------------------------------------------ roofline (model.py)
+    Bug("roofline", "model.py", "forgets the LM head",
         "return cfg.n_layers * per_layer + 2 * d * cfg.vocab_size", "return cfg.n_layers * per_layer"),
-    Bug("roofline", "bench.py", "k and v projections sized by the query heads",
+    Bug("roofline", "model.py", "k and v projections sized by the query heads",
         "2 * d * kv * hd + h * hd * d", "2 * d * h * hd + h * hd * d"),
-    Bug("roofline", "bench.py", "attention counted once (QK^T only, not PV)",
+    Bug("roofline", "model.py", "attention counted once (QK^T only, not PV)",
         "4 * h * hd * context", "2 * h * hd * context"),
-    Bug("roofline", "bench.py", "one FLOP per weight instead of two (multiply and add)",
+    Bug("roofline", "model.py", "one FLOP per weight instead of two (multiply and add)",
         "per_layer = 2 * (d * h * hd", "per_layer = (d * h * hd"),
-    Bug("roofline", "bench.py", "the SwiGLU MLP counted as two matrices instead of three",
+    Bug("roofline", "model.py", "the SwiGLU MLP counted as two matrices instead of three",
         "3 * d * f", "2 * d * f"),
 ]

@@ -57,7 +57,7 @@ def test_every_assignment_has_regions_tests_and_a_one_line_spec():
     assert all(tests[name] for name in ASSIGNMENTS), [n for n in ASSIGNMENTS if not tests[n]]
     files = {r.path for r in regions}
     for lesson_file in ("model.py", "tokenizer.py", "cache.py", "scheduler.py", "sampler.py", "speculative.py",
-                        "quantize.py", "kernels.py", "parallel.py", "serve.py", "bench.py"):
+                        "quantize.py", "kernels.py", "parallel.py", "serve.py"):
         assert lesson_file in files, f"no assignment in {lesson_file}: every lesson of the tour needs one"
     for name, a in ASSIGNMENTS.items():
         assert '"' not in a.spec and "\\" not in a.spec and "\n" not in a.spec, f"{name}: the spec goes in a string"

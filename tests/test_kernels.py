@@ -32,6 +32,9 @@ To pass, implement:
     eager step; a decoder that skips a static buffer or reads a graph's own output
     fails; warming up again writes only the scratch block; the pinned staging buffer
     waits on an event before each refill;
+  * on CUDA (given): the compiled step's attention over a plain pool is one Triton kernel,
+    kernels.paged_decode (flash-decoding through the block table); it equals
+    paged_attention_in_place, here through Triton's interpreter when triton is installed;
   * choose_weight_layout (support/timing.py, built with the compiled path):
     the same function, another memory layout of the weights, one layer at a time;
     support.timing.step_memory: the largest bucket's peak, measured.
@@ -153,12 +156,22 @@ def test_compiled_in_place_attention_equals_reference():
     assert counters["stats"]["unique_graphs"] - graphs == 1, "one graph for every layer, batch and Q"
 
 
+def test_triton_paged_decode_equals_in_place_attention():
+    """CUDA's compiled attention, kernels.paged_decode (tests/triton_check.py): ragged decodes and
+    verifications, GQA groups 1-4, a sliding window, one split and several, equal to
+    paged_attention_in_place (float32; on CUDA bf16 within 1e-2). Runs on CUDA, else in Triton's
+    interpreter (a subprocess), else is skipped: CPU installs have no triton."""
+    from triton_check import run
+    failures = run("paged_decode")
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.needs("decode-attention", "kv-cache-bytes", "int8")
 def test_attention_bandwidth_counts_the_context_bytes():
-    """bench.attention_bandwidth, the measurement of the two attentions above:
+    """experiments/compiled.py's attention_bandwidth, the measurement of the two attentions above:
     tested here, right after the compiled test, whose graph it reuses (the
     same shapes: nothing new to compile)."""
-    from bench import attention_bandwidth
+    from experiments.compiled import attention_bandwidth
     cache = _random_pool(Int8KVCache, 16, 6, 2, 1)[0]
     r = attention_bandwidth(cache, n_heads=6, batch=3, context=21, repeats=2)
     assert r["bytes"] == 3 * 21 * cache.bytes_per_token // 2                  # one of the 2 layers, scales included

@@ -802,7 +802,11 @@ def test_bad_random_names():
 
 def test_tokenizer_path(tmp_path, real_path):
     from support.checkpoint import tokenizer_path
-    assert tokenizer_path("random:llama-3.1-8b:seed=3") == real_path
+    from support.checkpoint import SHIPPED_TOKENIZER
+    assert tokenizer_path("random:llama-3.1-8b:seed=3") == SHIPPED_TOKENIZER   # no model on disk needed
+    for name in ("tokenizer.json", "tokenizer_config.json"):       # the shipped copy IS the default model's
+        with open(os.path.join(SHIPPED_TOKENIZER, name), "rb") as a, open(os.path.join(real_path, name), "rb") as b:
+            assert a.read() == b.read(), f"support/smollm2_tokenizer/{name} differs from the default model's"
     assert tokenizer_path(None) == real_path
     assert tokenizer_path(str(tmp_path)) == str(tmp_path)
 

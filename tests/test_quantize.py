@@ -8,9 +8,12 @@ To pass, implement:
   * quantize_model(model, "int8"): swaps every nn.Linear in place, rejects an
     unknown method and an already quantized model; decode_weight_bytes shows
     a quarter of float32's bytes;
+  * on CUDA (given) Int8Linear multiplies through a Triton kernel that converts each int8 byte
+    in registers (quantize.int8_matmul); it equals x @ dequantized(w)^T, here through Triton's
+    interpreter when triton is installed;
   * Int8KVCache: quantize on write, dequantize in blocks(); paged attention
     over it stays close to the float cache;
-  * what int8 costs in quality: bench.perplexity() on the real model and the
+  * what int8 costs in quality: experiments/quantization.py's perplexity() on the real model and the
     shipped eval text, measured here: float32 24.29, int8 weights 24.41 (+0.5%),
     int8 with bf16 activations 24.57.
 """
@@ -25,7 +28,8 @@ from conftest import tiny_config, tiny_model
 
 from cache import KVCache, paged_attention
 from model import generate
-from bench import eval_text, perplexity
+from experiments.common import eval_text
+from experiments.quantization import perplexity
 from quantize import (Int8KVCache, Int8Linear, dequantize_int8, int8_kv_cache_bytes, decode_weight_bytes,
                       make_kv_cache, quantize_int8, quantize_model)
 from scheduler import LLM, SamplingParams
@@ -123,6 +127,15 @@ def test_int8_linear_compiled_equals_linear_on_dequantized_weight(tmp_path, monk
         with size_oblivious():                          # as kernels.py compiles: any row count, 1 too
             torch.testing.assert_close(compiled(ql, dynamic(x, 0)), ref, atol=1e-5, rtol=1e-5, msg=f"{rows} rows")
     assert counters["stats"]["unique_graphs"] - graphs == 2, "one graph up to FUSED_ROWS rows, one beyond"
+
+
+@pytest.mark.needs("int8")
+def test_triton_int8_matmul_equals_dequantized_product():
+    """quantize.int8_matmul's kernel (tests/triton_check.py): 1-64 rows, both operand orders, ragged
+    N and K, equal to x @ dequantized(w)^T in float32. On CUDA, else in Triton's interpreter, else skipped."""
+    from triton_check import run
+    failures = run("int8_matmul")
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.assignment("int8")

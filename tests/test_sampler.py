@@ -18,7 +18,7 @@ To pass, implement:
   * StopStrings: Knuth-Morris-Pratt over streamed text: feed returns the
     first stop string completed, partial how much text must be held back;
     the engine cuts a stop string from the text and never streams it.
-SamplingParams refuses every value outside its LIMITS, naming the field
+SamplingParams refuses every value outside the range each field declares, naming it
 (max_tokens=0 only with prompt_logprobs: a request that scores its prompt).
 """
 import pytest
@@ -26,7 +26,7 @@ import torch
 
 from sampler import (ACCEPT, DRAW, SampleRequest, SamplingParams, StopStrings, draw, filtered_probs, sample_key,
                      sample_tokens, uniform)
-from scheduler import LLM
+from engine import LLM
 
 
 def assert_no_leak(llm):
@@ -61,7 +61,8 @@ def test_max_tokens_zero_only_with_prompt_logprobs():
     with pytest.raises(ValueError, match=r"max_tokens must be an integer in \[1, .*0 only with prompt_logprobs"):
         SamplingParams(max_tokens=0)
     assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
-    assert SamplingParams(prompt_logprobs=SamplingParams.LIMITS["prompt_logprobs"]).prompt_logprobs == 20
+    top = SamplingParams.__dataclass_fields__["prompt_logprobs"].metadata["le"]
+    assert SamplingParams(prompt_logprobs=top).prompt_logprobs == top == 20
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(max_tokens=0, prompt_logprobs=-1)
     with pytest.raises(ValueError, match="max_tokens"):

@@ -58,7 +58,8 @@ import time
 import pytest
 import torch
 
-from scheduler import LLM, SamplingParams
+from engine import LLM
+from sampler import SamplingParams
 from serve import exposure_warning, make_server, one_shot
 from support.server import drain
 
@@ -594,7 +595,7 @@ def test_models_health_metrics_on_one_keep_alive_connection(server):
 # The clients people use: the exact bodies they sent, replayed
 # ----------------------------------------------------------------------------
 # lm-evaluation-harness 0.4.13, guidellm 0.8.1, the openai client and `vllm bench serve`'s request
-# shapes, recorded from real runs (python -m support.clients runs the tools themselves; docs/SERVING.md).
+# shapes, recorded from real runs (python scripts/clients.py runs the tools themselves; docs/SERVING.md).
 
 
 @pytest.mark.needs("engine")
@@ -928,8 +929,10 @@ def test_max_tokens_beyond_the_context_names_both_numbers(server):
 def test_sampling_ranges_are_samplingparams_own(server, monkeypatch):
     """The server's bounds are SamplingParams' bounds: the largest values it
     allows are accepted, one step past them refused, naming the field; and
-    changing SamplingParams.LIMITS moves the server's bounds with it."""
-    L = SamplingParams.LIMITS
+    changing the range a SamplingParams field declares moves the server's bounds with it."""
+    L = {name: f.metadata for name, f in SamplingParams.__dataclass_fields__.items()}
+    L = {"n": L["n"]["le"], "logprobs": L["logprobs"]["le"], "prompt_logprobs": L["prompt_logprobs"]["le"],
+         "stop": L["stop"]["items"], "stop_chars": L["stop"]["chars"], "seed": (L["seed"]["ge"], L["seed"]["le"])}
     lo, hi = L["seed"]
     base = {"prompt": "abc", "max_tokens": 2, "temperature": 0}
     accepted = [{"n": L["n"], "temperature": 1.0, "max_tokens": 1}, {"logprobs": L["logprobs"]},
@@ -956,13 +959,70 @@ def test_sampling_ranges_are_samplingparams_own(server, monkeypatch):
              for k in (0, 10 ** 30)]
     assert texts[0] == texts[1], "top_k beyond the vocabulary must mean 'all tokens'"
     # one source of truth: tightening SamplingParams tightens the server
-    for key, value in (("n", 3), ("logprobs", 2), ("prompt_logprobs", 1), ("stop", 1)):
-        monkeypatch.setitem(SamplingParams.LIMITS, key, value)
+    for key, bound, value in (("n", "le", 3), ("logprobs", "le", 2), ("prompt_logprobs", "le", 1),
+                              ("stop", "items", 1)):
+        f = SamplingParams.__dataclass_fields__[key]
+        monkeypatch.setattr(f, "metadata", {**f.metadata, bound: value})
     for extra, param in (({"n": 4, "temperature": 1.0}, "n"), ({"logprobs": 3}, "logprobs"),
                          ({"logprobs": 2, "echo": True}, "logprobs"), ({"stop": ["a", "b"]}, "stop")):
         status, out = request(server, "POST", "/v1/completions", {**base, **extra})
         assert_error(status, out, 400, param)
     assert wait_all_free(server.engine.llm)
+
+
+def test_a_new_sampling_field_is_one_declaration(monkeypatch):
+    """A field added to SamplingParams with its range (here typical_p, the only edit) is at
+    once a request field of both endpoints with its type (strict: "0.5" is refused), checked
+    against its range by SamplingParams itself (a 400 naming the field), and passed through
+    to the SamplingParams the server builds."""
+    import dataclasses
+    import types
+
+    import pydantic
+
+    import serve
+    from sampler import knob
+    from support.schema import request_models, sampling_fields
+    from support.server import APIError
+    Params = dataclasses.make_dataclass("SamplingParams", [("typical_p", float, knob(1.0, gt=0, le=1))],
+                                        bases=(SamplingParams,))
+    with pytest.raises(ValueError, match="typical_p must be a number in"):
+        Params(typical_p=0)
+    completion, chat = request_models(Params)
+    assert "typical_p" in completion.model_fields and "typical_p" in chat.model_fields
+    with pytest.raises(pydantic.ValidationError, match="typical_p"):
+        completion(prompt="x", typical_p="0.5")
+    monkeypatch.setattr(serve, "SamplingParams", Params)
+    monkeypatch.setattr(serve, "SAMPLING_FIELDS", tuple(sampling_fields(Params)))
+    llm = types.SimpleNamespace(max_len=100, config=types.SimpleNamespace(vocab_size=50),
+                                scheduler=types.SimpleNamespace(max_num_seqs=4))
+    prompts = [([1, 2], "x")]
+    params = serve.sampling_params(llm, completion(prompt="x", typical_p=0.5), False, prompts, None)
+    assert type(params) is Params and params.typical_p == 0.5
+    with pytest.raises(APIError) as refused:
+        serve.sampling_params(llm, chat(messages=[{"role": "user", "content": "x"}], typical_p=1.5),
+                              True, prompts, None)
+    assert refused.value.status == 400 and refused.value.param == "typical_p"
+
+
+def test_every_engine_option_is_a_flag():
+    """serve.py's engine flags are EngineConfig's fields: each has one, with its default and
+    help, and the flags given build the same EngineConfig as the keyword arguments."""
+    import dataclasses
+
+    from engine import EngineConfig
+    from support.server import engine_config, serve_arguments
+    args = serve_arguments([], "test", EngineConfig)
+    assert engine_config(args, EngineConfig) == EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        assert f.metadata["help"], f"{f.name} has no help"
+    args = serve_arguments(["--model", "m", "--block-size", "8", "--no-enable-prefix-caching", "--compile",
+                            "--kv-cache-dtype", "int8", "--kv-cache-bytes", "4096"], "test", EngineConfig)
+    assert engine_config(args, EngineConfig) == EngineConfig(
+        path="m", block_size=8, enable_prefix_caching=False, compile=True, kv_cache_dtype="int8",
+        kv_cache_bytes=4096)
+    with pytest.raises(SystemExit):
+        serve_arguments(["--quantization", "int3"], "test", EngineConfig)
 
 
 def test_request_token_cap_and_n_beyond_the_batch(small_llm):
@@ -990,7 +1050,7 @@ def test_request_token_cap_and_n_beyond_the_batch(small_llm):
 
 @pytest.mark.needs("engine", "sampler", "copy-on-write", "sse-stream")
 def test_default_request_token_cap_is_16_contexts(server):
-    llm, n = server.engine.llm, SamplingParams.LIMITS["n"]
+    llm, n = server.engine.llm, SamplingParams.__dataclass_fields__["n"].metadata["le"]
     per_sample = 16 * llm.max_len // n
     base = {"prompt": "abc", "temperature": 1.0, "seed": 1, "n": n}
     status, out = request(server, "POST", "/v1/completions", {**base, "max_tokens": per_sample + 1})
@@ -1413,7 +1473,7 @@ def test_command_line_flags_reach_the_engine_and_the_server(tiny_path, monkeypat
     monkeypatch.setenv("NANOINFER_API_KEY", "from-env")
     serve.main(["--model", tiny_path, "--host", "0.0.0.0", "--port", "0", "--device", "cpu", "--dtype", "float32",
                 "--block-size", "8", "--kv-cache-bytes", str(3 << 20), "--max-num-seqs", "5",
-                "--max-num-batched-tokens", "96", "--no-prefix-caching", "--speculative", "ngram",
+                "--max-num-batched-tokens", "96", "--no-enable-prefix-caching", "--speculative", "ngram",
                 "--num-speculative-tokens", "3", "--max-waiting", "7", "--max-connections", "9",
                 "--max-body-bytes", "12345", "--max-request-tokens", "777", "--keep-alive-timeout", "1.5",
                 "--body-timeout", "2.5", "--drain-seconds", "4.5"])

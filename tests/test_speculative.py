@@ -19,7 +19,8 @@ import torch
 from conftest import save_checkpoint, tiny_model
 
 from cache import AttentionContext
-from scheduler import LLM, SamplingParams
+from engine import LLM
+from sampler import SamplingParams
 from speculative import NgramDrafter, rejection_sample, rejection_sample_batched
 
 
@@ -339,10 +340,10 @@ def record_steps(monkeypatch, llm):
     the tokens the sampler emitted for it) for every sequence that sampled."""
     steps, append_all = [], llm._append_all
 
-    def spy(batch, asks, new, fail, failed):
+    def spy(batch, asks, new):
         steps.append([(seq.request.request_id, len(ask.drafts), list(tokens))
                       for (seq, ask), (tokens, _, _) in zip(asks, new)])
-        return append_all(batch, asks, new, fail, failed)
+        return append_all(batch, asks, new)
     monkeypatch.setattr(llm, "_append_all", spy)
     return steps
 

@@ -1,8 +1,8 @@
 """
-support/clients.py -- the clients people actually use, run for real against serve.py.
+scripts/clients.py -- the clients people actually use, run for real against serve.py (by hand).
 
 What it protects: "OpenAI-compatible" meaning what the standard tools need, not what our own tests
-happen to send. `python -m support.clients [--model DIR] [--limit N] [--only NAMES]` starts serve.py
+happen to send. `python scripts/clients.py [--model DIR] [--limit N] [--only NAMES]` starts serve.py
 in its own process on a free loopback port and runs, each in its own process:
   * lm-evaluation-harness `local-completions`: loglikelihood on tests/fixtures/lm_eval/nanoinfer_mc
     (token-id prompts, `echo`, `logprobs: 1`, `max_tokens: 1`, batches of 4) and generate_until on
@@ -13,7 +13,7 @@ in its own process on a free loopback port and runs, each in its own process:
     with aiohttp as vLLM sends them (vllm itself does not install usefully on a CPU machine);
   * the official `openai` client (models, list prompts, echo + logprobs, score only, streams, chat logprobs);
 then scores the same lm-eval documents OFFLINE through LLM with prompt logprobs
-(tests/fixtures/lm_eval/score_offline.py, in its own process: support/ imports nothing of the tour)
+(tests/fixtures/lm_eval/score_offline.py, in its own process, outside the clients' virtual environment)
 and prints one table: each tool, its outcome, and server vs offline (accuracy, the largest
 |loglikelihood difference|, generations equal).
 
@@ -40,6 +40,7 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)            # run by hand as a script: support/ sits at the repository root
 TASKS = os.path.join("tests", "fixtures", "lm_eval")           # relative to ROOT: the YAMLs' data_files are
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
@@ -299,7 +300,7 @@ def run_vllm(venv, base, name, tokdir, out, count: int) -> list:
     rows = []
     for backend in ("openai", "openai-chat"):
         path = os.path.join(out, f"vllm_{backend}.json")
-        rc = run([os.path.join(venv, "bin", "python"), "-m", "support.clients", "--replay-vllm", backend,
+        rc = run([os.path.join(venv, "bin", "python"), "scripts/clients.py", "--replay-vllm", backend,
                   "--url", base, "--served-name", name, "--tokenizer", tokdir, "--limit", str(count),
                   "--out", path], path + ".log")
         try:
@@ -349,7 +350,7 @@ def openai_checks(base: str, name: str) -> dict:
 
 def run_openai(venv, base: str, name: str, out: str) -> list:
     path = os.path.join(out, "openai.json")
-    rc = run([os.path.join(venv, "bin", "python"), "-m", "support.clients", "--check-openai", "--url", base,
+    rc = run([os.path.join(venv, "bin", "python"), "scripts/clients.py", "--check-openai", "--url", base,
               "--served-name", name, "--out", path], path + ".log")
     try:
         with open(path) as f:

@@ -1,0 +1,502 @@
+"""
+engine.py -- the engine assembled: the last lesson puts the others together.
+
+The lesson: an inference engine is a loop of four steps over a batch that
+changes every step, and each step is one of the earlier files:
+
+    1. schedule   Scheduler.schedule() (scheduler.py): which sequences run,
+                  how many tokens each, their KV blocks reserved (cache.py)
+    2. forward    one Transformer.forward (model.py) over all N scheduled
+                  tokens, as a flat batch; compiled (kernels.py) or split over
+                  devices (parallel.py)
+    3. sample     sampler.py picks each sequence's token (or judges its
+                  drafts, speculative.py), with ONE wait for the device
+    4. append     Sequence.append (sequence.py): stop strings, EOS,
+                  max_tokens; finished sequences give their blocks back
+
+A request that goes wrong alone (its drafts, its logits, its text) finishes
+alone with finish_reason "error"; an error no single request explains fails
+the step's requests, never the engine (LLM.isolation).
+
+Building one is the other half: the weights (quantized, or sharded over
+workers), the KV pool sized by the lecture's bytes-per-token formula from the
+memory the weights left, the compiled step, the drafter. Every option is
+declared once, in EngineConfig, with its default and its range.
+
+    llm = LLM("path/or/random:preset", max_num_seqs=64)   # or LLM(EngineConfig(...))
+    llm.generate(["prompt", ...], SamplingParams(max_tokens=64))
+
+(`from scheduler import LLM, SamplingParams` still works: scheduler.py hands the names on.)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cache import BlockManager, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
+from kernels import CompiledDecoder, StepInputs
+from model import default_model_path, load_model
+from parallel import TensorParallelError, TensorParallelGroup
+from quantize import int8_kv_cache_bytes, make_kv_cache, quantize_model
+from sampler import (SampleRequest, SamplingParams, batch_then_each, draft_sampler,
+                     prompt_logprobs, sample_isolated)
+from scheduler import ScheduledSeq, Scheduler
+from sequence import FINISHED, RUNNING, Request, RequestOutput, Sequence
+from speculative import MAX_SPECULATIVE_TOKENS, make_drafter
+from support import checks
+from support.checkpoint import tokenizer_path
+from support.timing import choose_weight_layout, step_memory
+from tokenizer import Tokenizer
+
+
+# --- Every option of the engine, once ------------------------------------------
+def option(default, help: str, **bounds):
+    """A field of EngineConfig: its default, its range (ge / le / choices, checked by
+    support/checks.py as SamplingParams' are) and one line of help for serve.py's flag."""
+    return field(default=default, metadata={"help": help, **bounds})
+
+
+@dataclass
+class EngineConfig:
+    """The engine's options: LLM(EngineConfig(...)) and LLM(**options) are the same, and
+    serve.py makes a flag of each field (--block-size for block_size). Each is a lesson."""
+    path: str | os.PathLike | None = option(None, "checkpoint directory or random:PRESET "
+                                            "(default: the embedded SmolLM2-135M-Instruct)",
+                                            flag="--model")
+    device: str | torch.device = option("auto", "'auto' (CUDA if there is one), 'cpu', 'cuda:1'")
+    dtype: str | torch.dtype = option("auto", "'auto' (bfloat16 on CUDA, float32 on a CPU), "
+                                      "'float32', 'bfloat16' or 'float16'")
+    block_size: int = option(16, "tokens per KV block (cache.py)", ge=1)
+    kv_cache_bytes: int | None = option(None, "bytes of the KV pool (default: 90 percent of the "
+                                        "GPU memory the weights left; 1 GiB on a CPU)", ge=1)
+    max_num_seqs: int = option(64, "sequences in one batch at most (scheduler.py)", ge=1)
+    max_num_batched_tokens: int = option(2048, "tokens in one step at most (prefill chunks)", ge=1)
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of cached prefixes (cache.py)")
+    quantization: str | None = option(None, "int8 weight-only linears (quantize.py; on a CPU, "
+                                      "dtype 'auto' is then bfloat16)", choices=(None, "int8"))
+    kv_cache_dtype: str | None = option(None, "int8: the KV pool stores int8 and a scale per "
+                                        "token and head (quantize.py)", choices=(None, "int8"))
+    compile: bool = option(False, "steps of <= k + 1 tokens per sequence through torch.compile, "
+                           "padded to buckets (kernels.py; CUDA graphs on a GPU)")
+    speculative: str | None = option(None, "'ngram' (prompt lookup) or a draft model directory "
+                                     "(speculative.py)")
+    num_speculative_tokens: int = option(4, "drafts per step (k)", ge=1, le=MAX_SPECULATIVE_TOKENS)
+    tensor_parallel_size: int = option(1, "split every layer over N devices (parallel.py; "
+                                       "llm.close() stops the workers)", ge=1)
+
+    def __post_init__(self):
+        checks.check_engine_config(self)   # ranges, and the options that cannot go together
+
+
+# --- The engine ----------------------------------------------------------------
+class LLM:
+    """Model + tokenizer + paged KV cache + scheduler + sampler. Offline: llm.generate(prompts,
+    params); online (serve.py): add_request() / step() / abort() from one engine thread."""
+
+    def __init__(self, config: EngineConfig | str | None = None, **options):
+        if not isinstance(config, EngineConfig):
+            config = EngineConfig(path=config)       # LLM(path, **options)
+        c = dataclasses.replace(config, **options)
+        device, dtype = checks.resolve_device_dtype(c.device, c.dtype, c.quantization)
+        path = os.fspath(c.path) if c.path else default_model_path()
+        self.engine_config = c = dataclasses.replace(c, path=path, device=device, dtype=dtype)
+        self.path = path
+        self.device = device
+        self.dtype = dtype
+        self.model, self.config, self.tp = load_engine_model(c)
+        self.tokenizer = Tokenizer.from_pretrained(tokenizer_path(self.path))
+        self._build_pool(c)
+        self.requests: dict[str, Request] = {}
+        self.failed: dict[str, Request] = {}         # this step's requests that failed alone
+        self.batch: list[ScheduledSeq] = []          # this step's work (for isolation)
+        self._request_ids = itertools.count()
+        self._rng = random.Random(0)                 # the seeds of unseeded requests
+        self.stats = {"steps": 0, "batched_tokens": 0,     # forward passes, tokens they processed
+                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0}
+        num_blocks = self.block_manager.num_blocks
+        self.drafter = make_drafter(c, self.config, self.tokenizer, num_blocks,
+                                    lambda bm: StepInputs(bm, self.device))
+        self.speculation = None
+        if self.drafter is not None:
+            self.speculation = Speculation(self.drafter, c.num_speculative_tokens, self.stats,
+                                           self.scheduler)
+
+    def _build_pool(self, c: EngineConfig):
+        """The KV pool, its block manager and scheduler, and the compiled step (compile=True)."""
+        max_query_len = c.num_speculative_tokens + 1 if c.speculative else 1   # verify: k + 1
+        # compile=True settles what else stays in memory first: the weights' layout (rewritten
+        # one layer at a time) and, on CUDA, the compiled step's bytes (its graphs' pool too).
+        self.weight_layout = choose_weight_layout(self.model) if c.compile else "default"
+        reserve = 0
+        if c.compile and c.kv_cache_bytes is None:
+            reserve = compiled_step_reserve(self.model, self.config, c, max_query_len)
+        # The KV pool takes the memory the weights left, in blocks of the lecture's
+        # bytes per token (make_kv_pool): it bounds the batch AND the longest sequence.
+        scratch = 1 if c.compile else 0    # kernels.py: padded rows write a block no one owns
+        allocate = None
+        if self.tp is not None:            # every rank allocates its slice of the pool
+            allocate = lambda n: self.tp.allocate_cache(n, c.block_size, c.kv_cache_dtype)  # noqa
+        self.cache, num_blocks = make_kv_pool(self.tp.config if self.tp else self.config, c,
+                                              scratch, allocate, reserve)
+        self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching,
+                                          self.config.sliding_window)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
+        self.inputs = StepInputs(self.block_manager, self.device)
+        # the longest sequence that can run: the model's context, or the whole pool
+        self.max_len = min(self.config.max_seq_len, num_blocks * c.block_size)
+        self.decoder, self.compile_seconds = None, 0.0
+        if c.compile:
+            self.decoder, self.compile_seconds = make_compiled_decoder(
+                self.model, self.cache, c, self.max_len, num_blocks, max_query_len)
+
+    def add_request(self, prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (a string or token ids); a bad request raises ValueError and touches
+        nothing."""
+        params = params or SamplingParams()
+        ids = prompt
+        if isinstance(prompt, str):     # special tokens allowed: the caller owns the whole prompt
+            ids = self.tokenizer.encode(prompt, allow_special=True)
+        # types, the vocabulary, room to generate, n <= max_num_seqs seats (support/checks.py)
+        ids = checks.check_request(ids, params, SamplingParams, self.config, self.max_len,
+                                   self.scheduler.max_num_seqs)
+        request_id = checks.new_request_id(request_id, self.requests, self._request_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        req = Request(request_id, ids, params, time.perf_counter(), seed)
+        req.seqs.append(Sequence(req, ids, 0, self.tokenizer))   # n > 1: forked after the prompt
+        self.requests[request_id] = req
+        self.scheduler.waiting.append(req.seqs[0])               # FCFS: at the back of the queue
+        return request_id
+
+    def abort(self, request_id: str):
+        """Stop a request now and give its blocks back."""
+        if str(request_id) in self.requests:
+            self._finish_request(self.requests[str(request_id)], "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def close(self):
+        """Stop the tensor-parallel workers (also done at interpreter exit)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def generate(self, prompts, params: SamplingParams | list | None = None) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs in input order. A bad
+        prompt raises ValueError naming its index; an interrupted call aborts its requests."""
+        prompts, params = checks.generate_inputs(prompts, params)    # lists of one length
+        ids, final = [], {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                with checks.naming(f"prompt {i}"):          # its ValueError or TypeError, prefixed
+                    ids.append(self.add_request(prompt, p))
+            while len(final) < len(ids):
+                final.update((out.request_id, out) for out in self.step() if out.finished)
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        return [final[rid] for rid in ids]
+
+    # -- one step: schedule, forward, sample, append --------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Returns the requests that made progress (a finished one for the last time)."""
+        self.failed, self.batch = {}, []
+        with self.isolation():
+            # Drafts come first: a sequence verifying k drafts feeds k + 1 tokens this
+            # step, and the scheduler must count them against the token budget.
+            if self.speculation is not None:
+                self.speculation.propose(self.scheduler.running, self.max_len, self._fail)
+            self.batch = batch = self.scheduler.schedule()          # 1. who runs, how many tokens
+            if not batch:
+                return self._nothing_scheduled()
+            asks, rows, scored = sample_requests(batch, self.scheduler, self.tokenizer)
+            logits = self._forward(batch, rows)                     # 2. one pass over every token
+            new = self._sample(logits, asks, scored)                # 3. one wait for the device
+            return self._append_all(batch, asks, new)               # 4. append, stop, report
+        return [req.output() for req in self.failed.values()]      # the step failed: isolation
+
+    @contextlib.contextmanager
+    def isolation(self):
+        """Around a step: an error that no single request explains (a request's own error
+        was already failed alone, by _fail) fails this step's requests, with their blocks
+        freed; the engine keeps serving. Before anything was scheduled, those are the running
+        ones, or else the oldest waiting one: a step that keeps failing still makes progress.
+        A lost tensor-parallel worker is raised as well: nothing can run any more."""
+        try:
+            yield
+        except Exception as e:
+            print(f"nanoinfer: engine step failed: {e!r}", file=sys.stderr)
+            self.block_manager.pending_copies.clear()       # its requests fail: drop their copies
+            sch = self.scheduler
+            victims = [it.seq for it in self.batch] or list(sch.running) or list(sch.waiting)[:1]
+            for seq in victims:
+                self._fail(seq.request, f"engine step failed: {e!r}")
+            if isinstance(e, TensorParallelError):
+                raise
+
+    def _fail(self, req: Request, message: str):
+        """A request that went wrong finishes alone: finish_reason "error", blocks freed."""
+        if req.request_id not in self.failed:
+            self.failed[req.request_id] = self._finish_request(req, "error", message)
+
+    def _finish_request(self, req: Request, reason: str, error: str | None = None) -> Request:
+        self.requests.pop(req.request_id, None)
+        for seq in req.seqs:
+            if seq.status != FINISHED:
+                self.scheduler.finish(seq)
+                seq.finish_reason = reason
+        req.error = error
+        req.metrics.finish_time = time.perf_counter()
+        return req
+
+    def _nothing_scheduled(self) -> list[RequestOutput]:
+        """With nothing running, the oldest waiting request can never fit: fail it, not spin."""
+        if not self.scheduler.running and self.scheduler.waiting:
+            seq = self.scheduler.waiting[0]
+            self._fail(seq.request, checks.unschedulable(
+                seq.request.request_id, len(seq.token_ids), self.block_manager.num_blocks))
+        return [req.output() for req in self.failed.values()]
+
+    def _forward(self, batch: list[ScheduledSeq], logits_rows: list[int]):
+        """One forward pass over the flat batch of every scheduled token."""
+        copies = list(self.block_manager.pending_copies)
+        apply_pending_copies(self.cache, self.block_manager)     # copy-on-write before any write
+        N = sum(item.count for item in batch)
+        select = None if logits_rows == list(range(N)) else logits_rows   # None: every row
+        hb = self.inputs.host([(it.seq.seq_id, it.tokens, it.start) for it in batch], select)
+        if self.decoder is not None and self.decoder.fits(hb.query_lens):   # decodes, verifies
+            tables = self.inputs.tables[hb.rows]
+            return self.decoder(hb.input_ids, hb.positions, hb.slot_mapping, tables,
+                                hb.query_lens, select)
+        input_ids, positions, ctx = self.inputs.device(hb, self.cache)
+        if self.tp is not None:        # every rank runs its slice; rank 0 gets the gathered logits
+            return self.tp.forward(input_ids, positions, ctx, copies=copies)
+        return self.model(input_ids, positions, ctx)             # [len(logits_rows), V]
+
+    def _sample(self, logits, asks, scored) -> list:
+        """Every sequence's new tokens (sampler.py), and the logprobs of the prompt positions
+        scored this step, fetched in the same single wait for the device."""
+        ids = [t for req, first, count in scored for t in req.prompt_ids[first:first + count]]
+        top = max((req.params.prompt_logprobs for req, _, _ in scored), default=0)
+        lp = prompt_logprobs(logits, ids, top) if scored else ()
+        new = sample_isolated(logits, asks, self._fail, lp)       # lp: now host lists
+        per_row = zip(*lp)                            # (logprob, top values, their ids) per row
+        for req, first, count in scored:
+            k = req.params.prompt_logprobs
+            req.prompt_logprobs[first:first + count] = [
+                (c, dict(zip(i[:k], v[:k]))) for c, v, i in itertools.islice(per_row, count)]
+            req.num_scored = first + count
+        return new
+
+    def _append_all(self, batch, asks, new) -> list[RequestOutput]:
+        """Append each sequence's new tokens; an error in one (its text, its logits) fails it
+        alone."""
+        for item in batch:
+            seq = item.seq
+            seq.num_computed = item.start + item.count
+            if seq.status == RUNNING and not seq.draft_tokens:   # prompt blocks: kept if it ends
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+                if not seq.params.max_tokens and seq.remaining == 0:     # scored its prompt: done
+                    self._finish_request(seq.request, "length")
+        for (seq, ask), (tokens, logprobs, finite) in zip(asks, new):
+            try:
+                if seq.status != RUNNING:
+                    continue                       # its request failed earlier this step
+                if not finite:
+                    raise FloatingPointError("the model produced non-finite logits for this "
+                                             "request")
+                if ask.drafts:
+                    self.speculation.verified(seq, len(tokens) - 1, self.block_manager)
+                for j, token in enumerate(tokens):
+                    if seq.status != RUNNING:
+                        break                      # stopped by an earlier token of this step
+                    self._append(seq, token, None if logprobs is None else logprobs[j])
+            except Exception as e:
+                self._fail(seq.request, f"{type(e).__name__}: {e}")
+        touched = dict(self.failed)
+        for seq in [item.seq for item in batch] + [seq for seq, _ in asks]:
+            if seq.status == RUNNING:              # full blocks become reusable prefixes
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+            elif seq.request.finished:
+                self.requests.pop(seq.request.request_id, None)
+            touched[seq.request.request_id] = seq.request
+        self.stats["steps"] += 1
+        self.stats["batched_tokens"] += sum(item.count for item in batch)
+        return [req.output() for req in touched.values()]
+
+    def _append(self, seq: Sequence, token: int, logprob=None):
+        """Add a sampled token; finish the sequence if it hit a stop condition. Checked token
+        by token, so a speculative step stops exactly where plain decoding would."""
+        metrics = seq.request.metrics
+        metrics.output_tokens += 1
+        metrics.first_token_time = metrics.first_token_time or time.perf_counter()
+        reason = seq.append(token, logprob, self.tokenizer.eos_token_id, self.max_len)
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            if seq.request.finished:
+                metrics.finish_time = time.perf_counter()
+
+
+# --- Step 3's side: who samples, and speculative decoding's bookkeeping ---------
+def sample_requests(batch, scheduler, tokenizer):
+    """Which sequences sample this step, from which logits rows: the last row of each sequence
+    whose cache will then hold all its tokens, or all 1 + k rows of a verification. A prompt
+    of a request with n > 1 forks here (copy-on-write). Then the rows of the prompt positions
+    a request scores (prompt_logprobs), after all those: scored = [(request, first, count)]."""
+    asks = []           # (sequence, SampleRequest) of each sequence that samples
+    rows = []           # the logits rows they sample from, in that order
+    scored = []         # (request, first prompt position, count) scored this step
+    prompt_rows = []    # the logits rows of those prompt positions
+    end = 0
+    for item in batch:
+        seq, req = item.seq, item.seq.request
+        # position p scores prompt token p + 1: the chunk's positions not scored yet (a
+        # recompute after preemption skips them)
+        first = max(item.start, req.num_scored - 1)
+        last = min(item.start + item.count, seq.num_prompt - 1)
+        if first < last:
+            scored.append((req, first + 1, last - first))
+            prompt_rows += range(end + first - item.start, end + last - item.start)
+        end += item.count                      # this sequence's tokens end here in the flat batch
+        if seq.draft_tokens:
+            asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
+                                            seq.num_output, seq.token_ids, seq.draft_probs)))
+            rows += range(end - item.count, end)
+        elif item.start + item.count == len(seq.token_ids):
+            # a request of n > 1 forks here: its samples share this row
+            forked = [seq] + scheduler.fork(seq, item.start + item.count, tokenizer)
+            if seq.params.max_tokens:          # max_tokens=0 only scores its prompt: no sample
+                asks += [(s, SampleRequest(len(rows), [], s.params, s.key, s.num_output,
+                                           s.token_ids)) for s in forked]
+                rows.append(end - 1)
+    return asks, rows + prompt_rows, scored
+
+
+class Speculation:
+    """Drafts before a step, bookkeeping after it (the step's one pass verifies them)."""
+
+    def __init__(self, drafter, k: int, stats: dict, scheduler: Scheduler):
+        self.drafter = drafter
+        self.k = k                  # drafts per step at most
+        self.stats = stats          # the engine's counters
+        # a sequence's blocks freed: its draft cache too
+        scheduler.release_hooks.append(lambda seq: drafter.release(seq.seq_id))
+
+    def propose(self, running, max_len: int, fail):
+        """Up to k drafts for every decoding sequence, never past max_tokens or the context (the
+        last token is the target's). A drafter error fails only the requests whose drafts raise."""
+        asks = []
+        for seq in running:
+            seq.draft_tokens, seq.draft_probs = [], None
+            k = min(self.k, seq.params.max_tokens - seq.num_output - 1,
+                    max_len - len(seq.token_ids) - 1)
+            if seq.remaining == 1 and k > 0:
+                asks.append((seq, (seq.seq_id, seq.token_ids, k)))
+        def propose(part):     # draft_sampler: each request's own params and noise
+            return self.drafter.propose([a for _, a in part], draft_sampler(part))
+        drafts = batch_then_each(propose, asks, fail, "drafting", ([], None))
+        for (seq, _), (tokens, probs) in zip(asks, drafts):
+            if seq.status == RUNNING:
+                seq.draft_tokens, seq.draft_probs = list(tokens), probs
+
+    def verified(self, seq, n_accepted: int, block_manager):
+        """After the target's pass: keep the cache of the accepted drafts only."""
+        m = len(seq.draft_tokens)
+        # K/V now hold the fed token and the accepted drafts; the last token (a correction or
+        # the bonus) is fed next step
+        seq.num_computed = len(seq.token_ids) + n_accepted
+        block_manager.truncate(seq.seq_id, seq.num_computed)
+        self.drafter.rollback(seq.seq_id, seq.num_computed)
+        metrics = seq.request.metrics
+        for name, n in (("draft_tokens", m), ("accepted_tokens", n_accepted), ("verify_steps", 1)):
+            setattr(metrics, name, getattr(metrics, name) + n)   # this request ...
+            self.stats[name] += n                                # ... and the engine
+        seq.draft_tokens, seq.draft_probs = [], None
+
+
+# --- Building an engine: the model, the KV pool, the compiled step ---------------
+def load_engine_model(c: EngineConfig):
+    """(model, config, tp). tp is None on one device; with N > 1 this process is rank 0 of a
+    parallel.py group whose workers hold the other slices, and model is rank 0's slice."""
+    tp = None
+    if c.tensor_parallel_size != 1:   # the group shards (and quantizes) on every rank
+        tp = TensorParallelGroup(c.path, c.tensor_parallel_size, c.device, c.dtype, c.quantization)
+        model, config = tp.model, tp.full_config
+    else:
+        model, config = load_model(c.path, device=c.device, dtype=c.dtype)
+        if c.quantization is not None:     # int8 weights: a quarter of fp32's bytes per step
+            quantize_model(model, c.quantization)
+    if config.random_seed is not None:
+        print(f"nanoinfer: {c.path}: RANDOM weights (published shapes, seed "
+              f"{config.random_seed}): timings are real, the text is noise")
+    return model, config, tp
+
+
+def make_kv_pool(cfg, c: EngineConfig, scratch: int = 0, allocate=None, reserve: int = 0):
+    """The KV pool for the model config `cfg`: as many blocks of c.block_size tokens as
+    c.kv_cache_bytes allows; returns (cache, usable blocks). The central memory trade-off of
+    serving: every byte given to the KV cache is more concurrent context. With tensor
+    parallelism cfg is one rank's shard and allocate(num_blocks) makes every rank's pool:
+    the same budget per device holds N times the tokens. `scratch` blocks more are a
+    compiled step's padding (kernels.py); `reserve`: bytes it keeps beside the pool."""
+    device, dtype = torch.device(c.device), c.dtype
+    int8 = c.kv_cache_dtype == "int8"
+    # bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value (+ scales)
+    per_token = int8_kv_cache_bytes(cfg) if int8 else kv_cache_bytes(cfg, dtype)
+    budget = c.kv_cache_bytes
+    if budget is None:     # CUDA: 90% of what the weights left, less `reserve`; CPU: 1 GiB
+        on_cuda = device.type == "cuda"
+        budget = int(0.9 * torch.cuda.mem_get_info(device)[0]) - reserve if on_cuda else 1 << 30
+    num_blocks = num_blocks_for_budget(per_token, c.block_size, budget)
+    checks.check_pool_size(num_blocks, 1 + scratch, budget, c.block_size, per_token)
+    if allocate is not None:
+        cache = allocate(num_blocks)
+    else:                  # the model's dtype, or int8
+        cache = make_kv_cache(cfg, num_blocks, c.block_size, c.kv_cache_dtype, device, dtype)
+    value = f"(1 B + 4/{cfg.head_dim} B of scale)" if int8 else f"{dtype.itemsize} B"
+    usable = num_blocks - scratch
+    print(f"nanoinfer: KV cache {usable} blocks x {c.block_size} tokens = "
+          f"{usable * c.block_size} tokens; {per_token} B/token = 2*{cfg.n_layers} layers*"
+          f"{cfg.n_kv_heads} kv heads*{cfg.head_dim} dims*{value}; "
+          f"{cache.total_bytes / 2**20:.1f} MiB allocated")
+    return cache, usable
+
+
+def compiled_step_reserve(model, cfg, c: EngineConfig, max_query_len: int) -> int:
+    """CUDA: the bytes compiled steps keep beside the KV pool, their graphs' pool included:
+    the largest bucket, run on a one-block pool before the real pool is sized
+    (support/timing.py step_memory). 0 elsewhere."""
+    device = torch.device(c.device)
+    if device.type != "cuda":
+        return 0
+    widest = math.ceil(cfg.max_seq_len / c.block_size)     # blocks of the longest table
+
+    def largest_step():
+        pool = make_kv_cache(cfg, 1, c.block_size, c.kv_cache_dtype, device, c.dtype)
+        decoder = CompiledDecoder(model, pool, c.max_num_seqs, widest, 0, (1, max_query_len))
+        return decoder.scratch_step()
+    return step_memory(largest_step, device, graphs=True)
+
+
+def make_compiled_decoder(model, cache, c: EngineConfig, max_len: int, scratch_block: int,
+                          max_query_len: int = 1):
+    """compile=True: steps of <= max_query_len tokens per sequence through torch.compile
+    (kernels.py), every bucket compiled now rather than in the middle of serving."""
+    decoder = CompiledDecoder(model, cache, c.max_num_seqs, -(-max_len // c.block_size),
+                              scratch_block, (1, max_query_len))
+    seconds = decoder.warmup()
+    print(f"nanoinfer: compiled steps of {decoder.query_sizes} tokens per sequence for batch "
+          f"buckets {decoder.batch_sizes} and table widths {decoder.widths} in {seconds:.1f} s")
+    return decoder, seconds

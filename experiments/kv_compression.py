@@ -1,0 +1,248 @@
+"""
+kv-compression -- at long contexts the cache, not the weights, fills memory and the step.
+
+Claim (lecture, chapter 6): KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x
+bytes. MHA caches a K/V pair per query head, GQA one per group, MQA one for all: at the same
+budget fewer KV heads hold proportionally more sequences, and a decode step reads fewer bytes;
+MLA caches a compressed latent. A sliding window (Mistral) bounds what a query sees, so the
+block manager gives back the blocks behind it: O(window) blocks instead of O(length). Baseline:
+the MHA variant of the same body (`random:<preset>:kv_heads=N`: every other tensor the same),
+in the same run, one variant at a time; and full attention for the window.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+
+from cache import BlockManager, kv_cache_bytes
+from engine import EngineConfig, make_kv_pool
+from quantize import decode_weight_bytes
+from sampler import SamplingParams
+from support.checkpoint import RANDOM_PREFIX, parse_random_path
+
+from experiments.common import TINY_MODEL, figure, model_config, start_decoding, table
+from experiments.plan import Phase, decode, prefill
+
+NAME = "kv-compression"
+LECTURE_PRESET, BLOCK, LONG_CONTEXT = "llama-3.2-1b", 16, 128 * 1024   # 32 query heads: MHA 32, GQA-8, MQA 1
+# body: the preset timed; batch sequences of `context` tokens make the budget (MHA's); window/tokens: the
+# sliding-window curve of the tiny model (eager). A GPU times the lecture's body compiled, one variant at a time.
+WORKLOAD = {
+    "cpu": dict(body="smollm2-135m", batch=4, context=1024, steps=10, window=64, tokens=1024, lecture=(4, 1024)),
+    "cpu-quick": dict(body="smollm2-tiny", batch=4, context=1024, steps=8, window=32, tokens=128, lecture=(4, 128)),
+    "gpu": dict(body=LECTURE_PRESET, batch=8, context=4096, steps=10, window=64, tokens=1024, lecture=(8, 4096)),
+    "gpu-quick": dict(body=LECTURE_PRESET, batch=8, context=4096, steps=5, window=64, tokens=1024, lecture=(8, 4096),
+                      variants=("MHA", "MQA"))}     # the smoke run on a GPU: the two ends, one compile fewer
+# The lecture's arithmetic for published models, bf16: (model, attention, layers, values cached per token per
+# layer, window). Llama-2-70B: arXiv:2307.09288 and its config.json (80 layers, 64 heads of 128, 8 KV heads;
+# "MHA" is that body with 64 KV heads). DeepSeek-V2: arXiv:2405.04434 sec. 2.1 and app. B (60 layers, 128
+# heads of 128; MLA caches the latent c_KV, d_c = 512, and the shared RoPE key, 64: 576 values). Mistral-7B:
+# arXiv:2310.06825 and its config.json (32 layers, 8 KV heads of 128, sliding_window 4096).
+PUBLISHED_KV = [("Llama-2-70B", "MHA (64 KV heads)", 80, 2 * 64 * 128, None),
+                ("Llama-2-70B", "GQA-8 (published)", 80, 2 * 8 * 128, None),
+                ("DeepSeek-V2", "MHA (128 heads x 128 dims)", 60, 2 * 128 * 128, None),
+                ("DeepSeek-V2", "MLA (published): 512 latent + 64 RoPE", 60, 576, None),
+                ("Mistral-7B", "GQA-8, full attention", 32, 2 * 8 * 128, None),
+                ("Mistral-7B", "GQA-8, 4k window (published)", 32, 2 * 8 * 128, 4096)]
+
+
+def body(s, w) -> str:
+    """--model's preset if it is a "random:" one, else the workload's."""
+    return parse_random_path(s.path)[0] if s.path.startswith(RANDOM_PREFIX) and s.path == s.quality_path else w.body
+
+
+def variants(preset: str) -> list:
+    """[(name, "random:" path)]: MHA (a KV head per query head), the published GQA, MQA (one)."""
+    cfg, _ = model_config(RANDOM_PREFIX + preset)
+    names = {1: "MQA", cfg.n_heads: "MHA"}
+    return [(names.get(kv, f"GQA-{kv}"), f"{RANDOM_PREFIX}{preset}:kv_heads={kv}")
+            for kv in sorted({cfg.n_heads, cfg.n_kv_heads, 1}, reverse=True)]
+
+
+def budget(preset: str, dtype, batch: int, context: int) -> int:
+    """The fixed KV budget: exactly `batch` sequences of `context` tokens of the preset's MHA variant."""
+    return kv_cache_bytes(model_config(variants(preset)[0][1])[0], dtype, batch * math.ceil(context / BLOCK) * BLOCK)
+
+
+def fit_batch(bm: BlockManager, context: int) -> int:
+    """The most sequences of `context` tokens a pool holds, by the engine's own block accounting (admitted
+    one by one as the scheduler admits them: can_append, then reserve); then all given back."""
+    n = 0                            # negative sequence ids never collide with the engine's own
+    while bm.allocate(-1 - n, []) == 0 and bm.can_append(-1 - n, 0, context):
+        bm.reserve(-1 - n, 0, context)
+        n += 1
+    for i in range(n + 1):           # the n that fit, and the one that did not
+        bm.free(-1 - i)
+    return n
+
+
+def kv_row(name, path, cfg, dtype, cache, bm, context) -> dict:
+    """A variant's bytes per token (the lecture's formula, written out; and the pool allocated) and its fit."""
+    tokens = cache.num_blocks * cache.block_size
+    return {"name": name, "model": path, "kv_heads": cfg.n_kv_heads,
+            "kv_bytes_per_token": 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize,
+            "pool_bytes": cache.total_bytes, "pool_tokens": tokens, "pool_bytes_per_token": cache.total_bytes / tokens,
+            "pool_blocks": bm.num_blocks, "fit_batch": fit_batch(bm, context)}
+
+
+def accounting(b, preset: str, batch: int, context: int) -> list:
+    """The lecture-scale rows, no weights needed: each variant's pool as the engine makes it
+    (engine.make_kv_pool, on the device) for the fixed budget, and its block manager."""
+    rows, dtype = [], b.torch_dtype
+    for name, path in variants(preset):
+        cfg, _ = model_config(path)
+        with contextlib.redirect_stdout(io.StringIO()):
+            cache, blocks = make_kv_pool(cfg, EngineConfig(device=b.device, dtype=dtype, block_size=BLOCK,
+                                                           kv_cache_bytes=budget(preset, dtype, batch, context)))
+        rows.append(kv_row(name, path, cfg, dtype, cache, BlockManager(blocks, BLOCK, False), context))
+    return rows
+
+
+def timed_engines(s, w) -> list:
+    """[(name, options)]: the variants timed, one engine each, the same KV budget (MHA's batch x context)."""
+    pool = budget(body(s, w), s.dtype, w.batch, w.context)
+    return [(n, s.options(p, max_num_seqs=w.batch, kv_cache_bytes=pool)) for n, p in variants(body(s, w))
+            if n in getattr(w, "variants", [n])]
+
+
+def timed_variant(b, name, opts, w) -> dict:
+    """One variant as an engine with the fixed budget: its pool and fit, then decode steps of `batch`
+    sequences (what MHA holds) near `context` tokens, and the step's bytes: every weight once, each
+    sequence's whole KV cache."""
+    ctx = w.context - w.steps - 8          # the warm-up and timed steps keep every sequence within `context`
+    b.progress(f"kv-compression: {name}, prefill of {w.batch} x {ctx} tokens, then decode steps")
+    llm = b.llm(**opts)
+    row = kv_row(name, opts["path"], llm.config, llm.dtype, llm.cache, llm.block_manager, w.context)
+    ids = start_decoding(llm, w.batch, ctx, w.steps)
+    t = b.timeit(llm.step, w.steps, warmup=2)
+    W, kv_step = decode_weight_bytes(llm.model), row["kv_bytes_per_token"] * ctx * w.batch
+    row.update(step_ms=t * 1e3, weight_bytes=W, kv_bytes_per_step=kv_step, kv_share=kv_step / (W + kv_step),
+               bound_ms=(W + kv_step) / b.bandwidth() * 1e3, preemptions=llm.scheduler.num_preemptions,
+               compiled=llm.decoder is not None)
+    for rid in ids:
+        llm.abort(rid)
+    return row
+
+
+def published_kv_arithmetic(context: int = LONG_CONTEXT) -> list:
+    """PUBLISHED_KV in bf16 bytes: per token, and one sequence of `context` tokens (a window caps it)."""
+    rows = [{"model": m, "attention": a, "layers": L, "values_per_token_per_layer": v, "window": win,
+             "bytes_per_token": L * v * 2, "context": context, "tokens_held": min(context, win or context),
+             "kv_bytes_at_context": L * v * 2 * min(context, win or context)} for m, a, L, v, win in PUBLISHED_KV]
+    for r in rows:                         # against the first (uncompressed) row of the same model
+        first = next(x for x in rows if x["model"] == r["model"])
+        r["reduction"] = first["kv_bytes_at_context"] / r["kv_bytes_at_context"]
+    return rows
+
+
+def window_curves(b, window: int, tokens: int) -> dict:
+    """KV blocks in use against generated length (one sequence, a 1-token prompt, greedy), read from the
+    engine's block manager after every step: full attention, then a window of `window`."""
+    out = {"model": TINY_MODEL, "window": window, "block_size": BLOCK, "tokens": tokens,
+           "window_bound_blocks": math.ceil(window / BLOCK) + 1, "source": "the engine (LLM.step)"}
+    for key, path in (("full", TINY_MODEL), ("windowed", f"{TINY_MODEL}:sliding_window={window}")):
+        b.progress(f"kv-compression: {tokens} tokens, {key} attention")
+        llm = b.llm(path=path, max_num_seqs=1, compile=False, pool_tokens=tokens + 64, block_size=BLOCK)
+        bm, xs, ys = llm.block_manager, [], []
+        seq = llm.requests[llm.add_request([1], SamplingParams(max_tokens=tokens + 1, ignore_eos=True))].seqs[0]
+        while not any(o.finished for o in llm.step()):   # the last step finishes it and frees its blocks
+            xs.append(seq.num_computed)
+            ys.append(bm.num_blocks - bm.num_free_blocks - (bm.null_block is not None))  # the null block holds none
+        out[key] = {"tokens": xs, "blocks": ys}
+    return out
+
+
+def run(b):
+    w = b.sizes(WORKLOAD)
+    preset = body(b.scale, w)
+    timed = [timed_variant(b, name, opts, w) for name, opts in timed_engines(b.scale, w)]
+    same = preset == LECTURE_PRESET and len(timed) == len(variants(preset))
+    lec_batch, lec_context = (w.batch, w.context) if same else w.lecture
+    fig = {"dtype": str(b.torch_dtype)[6:], "block_size": BLOCK, "lecture_preset": LECTURE_PRESET,
+           "lecture_batch": lec_batch, "lecture_context": lec_context,
+           "lecture_budget_bytes": budget(LECTURE_PRESET, b.torch_dtype, lec_batch, lec_context),
+           "lecture": timed if same else accounting(b, LECTURE_PRESET, lec_batch, lec_context),
+           "timed_preset": preset, "batch": w.batch, "context": w.context, "timed_context": w.context - w.steps - 8,
+           "steps": w.steps, "timed_budget_bytes": budget(preset, b.torch_dtype, w.batch, w.context), "timed": timed,
+           "published": published_kv_arithmetic(), "sliding_window": window_curves(b, w.window, w.tokens)}
+    for rows in (fig["lecture"], timed):
+        for r in rows:                     # the lesson's ratios, against the first (MHA) row
+            r["bytes_vs_mha"] = rows[0]["kv_bytes_per_token"] / r["kv_bytes_per_token"]
+            r["fit_vs_mha"] = r["fit_batch"] / rows[0]["fit_batch"]
+    return fig, text(fig)
+
+
+def text(r: dict) -> str:
+    B, C, dtype, w = r["batch"], r["context"], r["dtype"], r["sliding_window"]
+    head = ["attention", "KV heads", "KV B/token (formula)", "B/token of the allocated pool"]
+    lecture = "" if r["lecture"] == r["timed"] else (
+        f"The lecture's shapes, {r['lecture_preset']}, {dtype} (no weights needed): each variant's pool as the engine "
+        f"allocates it for a budget of {r['lecture_budget_bytes'] / 2**20:.0f} MiB ({r['lecture_batch']} MHA sequences "
+        f"of {r['lecture_context']} tokens), filled by its block manager.\n\n" +
+        table(head + ["MHA / this", f"sequences of {r['lecture_context']} tokens that fit"],
+              [[x["name"], x["kv_heads"], x["kv_bytes_per_token"], f"{x['pool_bytes_per_token']:.10g}",
+                x["bytes_vs_mha"], x["fit_batch"]] for x in r["lecture"]]) + "\n\n")
+    timed = [[x["name"], x["kv_heads"], x["kv_bytes_per_token"], f"{x['pool_bytes_per_token']:.10g}", x["fit_batch"],
+              x["step_ms"], x["bound_ms"], x["weight_bytes"] / 1e6, x["kv_bytes_per_step"] / 1e6,
+              f"{x['kv_share']:.0%}"] for x in r["timed"]]
+    pub = [[x["model"], x["attention"], x["values_per_token_per_layer"], f"{x['bytes_per_token'] / 1024:,.4g}",
+            x["kv_bytes_at_context"] / 1e9, x["reduction"]] for x in r["published"]]
+    win = w["windowed"]["blocks"]
+    return (lecture + f"Timed: {r['timed_preset']} with each KV-head count, {dtype}, one engine at a time, a budget "
+            f"of {r['timed_budget_bytes'] / 2**20:.3g} MiB ({B} MHA sequences of {C} tokens); decode steps of {B} "
+            f"sequences at a {r['timed_context']}-token context. Bound = (weights + the batch's KV) / bandwidth.\n\n" +
+            table(head + [f"sequences of {C} tokens that fit", "decode step (ms)", "bound (ms)", "weights MB/step",
+                          "KV MB/step", "KV share of the bytes"], timed) +
+            f"\n\nThe lecture's arithmetic for published models (bf16), one sequence of {LONG_CONTEXT:,} tokens:\n\n" +
+            table(["model", "attention", "values/token/layer", "KiB/token", f"GB at {LONG_CONTEXT // 1024}k tokens",
+                   "reduction"], pub) +
+            f"\n\nSliding window: one sequence generating {w['tokens']} tokens in blocks of {w['block_size']}, "
+            f"{w['source']}. Full attention holds {w['full']['blocks'][-1]} blocks at the end; a window of "
+            f"{w['window']} at most {max(win)} (bound ceil(W / block size) + 1 = {w['window_bound_blocks']}), "
+            f"{win[-1]} at the end.")
+
+
+def plan(s):
+    w = s.sizes(WORKLOAD)
+    phases = [Phase([o], [prefill(o, w.batch * w.context, w.context / 2), decode(o, w.steps + 2, w.batch, w.context)],
+                    context=w.context) for _, o in timed_engines(s, w)]
+    tiny = [s.options(p, max_num_seqs=1, compile=False, pool_tokens=w.tokens + 64, block_size=BLOCK)
+            for p in (TINY_MODEL, f"{TINY_MODEL}:sliding_window={w.window}")]
+    return phases + [Phase([o], [decode(o, w.tokens, 1, w.tokens)], context=w.tokens + 64) for o in tiny]
+
+
+def plot(r: dict):
+    lec, tim, w = r["lecture"], r["timed"], r["sliding_window"]
+    heads = lambda rows: " | ".join(str(x["kv_heads"]) for x in rows)                  # noqa: E731
+    models = ([f"{r['lecture_preset']} (kv_heads {heads(lec)})"] + ([] if lec == tim else
+              [f"{r['timed_preset']} (kv_heads {heads(tim)})"]) + [f"{w['model'][7:]} (window {w['window']})"])
+    fig, (a1, a2, a3) = figure({**r, "models": models}, "KV compression: fewer KV heads, fewer bytes per token "
+                               "and more sequences per budget; a sliding window caps the blocks", ncols=3)
+    # the allocated pool's bytes per token (log scale: MHA to MQA spans the query-head count)
+    a1.bar([x["name"] for x in lec], [x["pool_bytes_per_token"] / 1024 for x in lec], color="C0")
+    for i, x in enumerate(lec):
+        a1.annotate(f"{x['kv_bytes_per_token'] / 1024:.4g} KiB\nfits {x['fit_batch']}",
+                    (i, x["pool_bytes_per_token"] / 1024), textcoords="offset points", xytext=(0, 3), ha="center")
+    a1.set(yscale="log", ylabel="KV cache KiB per token", xlabel=f"attention ({r['dtype']})")
+    a1.set_title(f"{r['lecture_preset']}: KV bytes per token and sequences of {r['lecture_context']} tokens that fit "
+                 "the budget", fontsize=9)
+    a1.margins(y=0.25)
+    names = [x["name"] for x in tim]
+    a2.bar(names, [x["step_ms"] for x in tim], color="C1", label="decode step, measured")
+    a2.plot(names, [x["bound_ms"] for x in tim], "k_", ms=30, mew=2, ls="none", label="bound: bytes / bandwidth")
+    for i, x in enumerate(tim):
+        a2.annotate(f"KV {x['kv_share']:.0%} of bytes", (i, x["step_ms"]), textcoords="offset points", xytext=(0, 3),
+                    ha="center", fontsize=8)
+    a2.set(ylabel="decode step (ms)", xlabel=f"attention ({r['timed_preset']})", ylim=(0, 1.15 * max(
+        x["step_ms"] for x in tim)))
+    a2.set_title(f"batch {r['batch']} at a {r['timed_context']}-token context", fontsize=9)
+    a2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2)   # below: no bar hidden
+    a3.plot(w["full"]["tokens"], w["full"]["blocks"], "-", color="C0", label="full attention")
+    a3.plot(w["windowed"]["tokens"], w["windowed"]["blocks"], "-", color="C3", label=f"window W = {w['window']}")
+    a3.axhline(w["window_bound_blocks"], color="grey", ls=":", lw=1,
+               label=f"ceil(W / {w['block_size']}) + 1 = {w['window_bound_blocks']} blocks")
+    a3.set(xlabel="tokens generated (1-token prompt)", ylabel=f"KV blocks in use (of {w['block_size']} tokens)")
+    a3.set_title("one sequence: O(length) against O(window)", fontsize=9)
+    a3.legend(fontsize=8, loc="upper left")
+    return fig
