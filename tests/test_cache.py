@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model
 
 from cache import AttentionContext, BlockManager, KVCache, kv_cache_bytes, num_blocks_for_budget
 from model import read_config

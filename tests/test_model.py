@@ -45,7 +45,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FIXTURES, tiny_config, tiny_model
+from helpers import FIXTURES, tiny_config, tiny_model
 from safetensors.torch import load_file
 
 import support.default_model as default_model
@@ -823,6 +823,7 @@ def test_llama3_vocabulary_preset_generates_ids_beyond_the_tokenizer(real_tokeni
 
 # ------------------------------------------------- GGUF conversion, run for real even on a warm cache
 
+@pytest.mark.timeout(300)
 @pytest.mark.needs("model", "bpe")
 def test_real_gguf_conversion_matches_transformers(tmp_path, monkeypatch):
     """Convert the embedded GGUF into an empty cache (the one real conversion
@@ -1222,7 +1223,7 @@ def test_bad_shard_indexes_and_duplicated_tensors_are_refused(tmp_path):
     """A model.safetensors.index.json that is not a shard index, and a
     tensor stored twice across shards, are refused naming the file or the
     tensor and both places it appears (never a silent pick of one)."""
-    from conftest import save_checkpoint
+    from helpers import save_checkpoint
     from safetensors.torch import save_file
     path = save_checkpoint(tiny_model(seed=1), tmp_path / "ckpt")
     index = os.path.join(path, "model.safetensors.index.json")

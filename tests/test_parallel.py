@@ -44,7 +44,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, save_checkpoint, tiny_model
+from helpers import ROOT, save_checkpoint, tiny_model
 
 import parallel
 from cache import AttentionContext, BlockManager, kv_cache_bytes
@@ -377,6 +377,7 @@ def _pool_shapes(model, cache):
     return out
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.assignment("tensor-parallel")
 @pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "block-allocation")
 def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real_tokenizer):
@@ -402,6 +403,7 @@ def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real
 
 # ------------------------------------------------------------ through the engine
 
+@pytest.mark.timeout(300)
 @pytest.mark.assignment("tensor-parallel")
 @pytest.mark.needs("engine", "sampler", "copy-on-write")
 def test_engine_n2_equals_n1_batched_chunked_preempted(tiny_dir):
@@ -443,6 +445,7 @@ print(json.dumps({{"tokens": [o.token_ids for o in outs], "pids": llm.tp.pids}})
 """
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["file", "stdin"])
 @pytest.mark.needs("tensor-parallel", "engine")
 def test_unguarded_script_runs_tensor_parallel(tiny_dir, tmp_path, how):

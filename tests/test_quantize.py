@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model
 
 from cache import KVCache, paged_attention
 from model import generate
@@ -105,6 +105,7 @@ def test_int8_linear_equals_linear_on_dequantized_weight():
     torch.testing.assert_close(yb.float(), ref, atol=0.05, rtol=0.02)
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.assignment("int8")
 def test_int8_linear_compiled_equals_linear_on_dequantized_weight(tmp_path, monkeypatch):
     """Under torch.compile, up to FUSED_ROWS rows take the fused product

@@ -18,7 +18,7 @@ import json
 import os
 
 import pytest
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 from tokenizer import IncrementalDecoder
 

@@ -1,0 +1,63 @@
+"""Helpers the tests import: the repository's paths, tiny random Llamas, and
+writing a model as a checkpoint directory. (Fixtures live in conftest.py;
+pytest advises against importing from a conftest.)"""
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+
+from model import ModelConfig, Transformer, default_model_path  # noqa: E402
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A 2-layer Llama small enough to run thousands of steps in a test."""
+    base = dict(dim=64, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
+                vocab_size=512, rope_theta=10000.0, rms_eps=1e-5, tie_embeddings=True,
+                max_seq_len=1024)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, **overrides) -> Transformer:
+    """Random weights, scaled so logits are far from uniform (ties would make
+    greedy comparisons meaningless)."""
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(**overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.5 if "embed" in name else 0.2)
+    return model.eval().requires_grad_(False)
+
+
+def save_checkpoint(model, directory, tokenizer_from=None):
+    """Write a model as a Hugging Face checkpoint directory (config.json +
+    model.safetensors), with the default model's tokenizer files."""
+    from safetensors.torch import save_file
+    os.makedirs(directory, exist_ok=True)
+    c = model.config
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.dim,
+           "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers,
+           "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+           "head_dim": c.head_dim, "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_theta,
+           "max_position_embeddings": c.max_seq_len, "vocab_size": c.vocab_size,
+           "tie_word_embeddings": c.tie_embeddings, "eos_token_id": 2, "bos_token_id": 1}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    tied = c.tie_embeddings
+    sd = {("" if k == "lm_head.weight" else "model.") + k: v.contiguous()
+          for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(sd, os.path.join(directory, "model.safetensors"))
+    src = tokenizer_from or default_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, name), directory)
+    return str(directory)
