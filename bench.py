@@ -2,11 +2,11 @@
 bench.py -- measuring it all: every lesson of the lecture as a number on your machine.
 
     python bench.py --check                  # on a GPU, FIRST: a verdict per GPU path (<= 3 min)
-    python bench.py                          # every experiment on the best device (a GPU: <= 10 min)
-    python bench.py --quick                  # every experiment, fewer points (GPU <= 5 min; 2-core CPU ~1)
-    python bench.py --plan --gpu h100-80gb   # each experiment's planned peak memory and time: nothing runs
+    python bench.py                          # every experiment on the best device (GPU: <= 10 min)
+    python bench.py --quick                  # the same, fewer points (GPU <= 5 min; 2-core CPU ~1)
+    python bench.py --plan --gpu h100-80gb   # per experiment: planned peak memory and time; no run
     python bench.py --only batching,compile --json results/x.json    # + pictures in results/x/
-    python bench.py --check --device cpu --model random:smollm2-tiny  # the check's dry run (CI, < 30 s)
+    python bench.py --check --device cpu --model random:smollm2-tiny  # check dry run (CI, < 30 s)
 
 This file is the runner: the command line, the device and the scale, the plan, the run loop and
 --json. The experiments are in experiments/, one file each (its docstring lists them): the lecture's
@@ -15,9 +15,9 @@ isolation: one that raises reports its error in its table and JSON entry, and th
 
 The scale. On a GPU with no --model the timing experiments run on the largest "random:" preset
 (published shapes, random weights) whose planned run fits the free memory (Llama-3.1-8B on an 80 GB
-card; a 135M model would leave the GPU idle), through the compiled engine with CUDA graphs, what a GPU
-user runs; perplexity and speculative acceptance need trained weights: the default model's (without
-it they say so). --model sets both. On a CPU both are the default model, eager.
+card; a 135M model would leave the GPU idle), through the compiled engine with CUDA graphs, what a
+GPU user runs; perplexity and speculative acceptance need trained weights: the default model's
+(without it they say so). --model sets both. On a CPU both are the default model, eager.
 
 --json merges into an existing results file (rerunning one experiment replaces only its entry; a
 file that is not bench results is refused, never overwritten); the pictures go beside it
@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import datetime
 import functools
-import json
 import os
 import platform
 import sys
@@ -40,26 +39,29 @@ import torch
 
 import kernels
 from experiments import EXPERIMENTS, check, write_plot
-from experiments.common import Bench, weights_label
+from experiments.common import Bench, load_results, save_results, weights_label
 from experiments.plan import CARDS, Card, Scale, card_for, describe, pick_timing_model, plan_run
 from support.checkpoint import RANDOM_PREFIX
 
 
 @functools.lru_cache(maxsize=None)
 def quality_model() -> str:
-    """The default model, or (not installed, no network) its shapes with random weights, said once."""
+    """The default model, or (not installed, no network) its shapes with random weights, said
+    once."""
     from model import default_model_path
     try:
         return default_model_path()
     except (FileNotFoundError, ImportError) as e:
-        print(f"bench: no default model ({e}); using random:smollm2-135m (its shapes, random weights)",
-              file=sys.stderr)
+        print(f"bench: no default model ({e}); using random:smollm2-135m (its shapes, "
+              "random weights)", file=sys.stderr)
         return RANDOM_PREFIX + "smollm2-135m"
 
 
 def make_scale(args, gpu: bool, free_bytes: float | None = None) -> tuple[Scale, str]:
-    """The run's scale and why its timing model: --model, or on a GPU the largest preset that fits."""
-    quality, device = args.model or quality_model(), args.device if args.device.startswith("cuda:") and gpu else None
+    """The run's scale and why its timing model: --model, or on a GPU the largest preset that
+    fits."""
+    quality = args.model or quality_model()
+    device = args.device if args.device.startswith("cuda:") and gpu else None
     scale = Scale(gpu, args.quick, quality, quality, args.dtype, device)
     if args.model or not gpu:
         return scale, "--model" if args.model else "the default model"
@@ -69,36 +71,43 @@ def make_scale(args, gpu: bool, free_bytes: float | None = None) -> tuple[Scale,
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("--model", default=None, help="checkpoint directory or random:<preset> for every experiment "
-                    "(default: the embedded SmolLM2-135M-Instruct; on a GPU, timing on the largest preset that fits)")
+    ap.add_argument("--model", default=None, help="checkpoint directory or random:<preset> for "
+                    "every experiment (default: the embedded SmolLM2-135M-Instruct; on a GPU, "
+                    "timing on the largest preset that fits)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--only", default=None, help="comma-separated experiments: " + ",".join(EXPERIMENTS))
+    ap.add_argument("--only", default=None,
+                    help="comma-separated experiments: " + ",".join(EXPERIMENTS))
     ap.add_argument("--quick", action="store_true", help="every experiment, fewer points")
-    ap.add_argument("--json", default=None, help="write every figure to this file (merged into it if it exists)")
-    ap.add_argument("--draft", default=None, help="a draft model directory for the speculative experiment")
-    ap.add_argument("--plots", default=None, help="folder for the pictures (default: beside --json, results/x.json "
-                    "-> results/x/; without --json ./bench-plots)")
+    ap.add_argument("--json", default=None,
+                    help="write every figure to this file (merged into it if it exists)")
+    ap.add_argument("--draft", default=None,
+                    help="a draft model directory for the speculative experiment")
+    ap.add_argument("--plots", default=None, help="folder for the pictures (default: beside "
+                    "--json, results/x.json -> results/x/; without --json ./bench-plots)")
     ap.add_argument("--no-plots", action="store_true", help="write no pictures")
-    ap.add_argument("--check", action="store_true", help="a verdict per GPU path (<= 3 min on one GPU): run it "
-                    "first on a GPU and report its output; --device cpu is its dry run")
-    ap.add_argument("--strict-sdpa", action="store_true", help="an SDPA call that would fall back to the slow math "
-                    "backend raises instead (kernels.STRICT_SDPA)")
-    ap.add_argument("--plan", action="store_true", help="print each experiment's planned peak memory and time on "
-                    "--gpu, and run nothing (no model is built, no GPU needed)")
-    ap.add_argument("--gpu", default="h100-80gb", choices=list(CARDS), help="the card --plan plans for")
+    ap.add_argument("--check", action="store_true", help="a verdict per GPU path (<= 3 min on "
+                    "one GPU): run it first on a GPU and report its output; --device cpu is its "
+                    "dry run")
+    ap.add_argument("--strict-sdpa", action="store_true", help="an SDPA call that would fall "
+                    "back to the slow math backend raises instead (kernels.STRICT_SDPA)")
+    ap.add_argument("--plan", action="store_true", help="print each experiment's planned peak "
+                    "memory and time on --gpu, and run nothing (no model is built, no GPU needed)")
+    ap.add_argument("--gpu", default="h100-80gb", choices=list(CARDS),
+                    help="the card --plan plans for")
     return ap, ap.parse_args(argv)
 
 
 def plan_text(args, gpu: bool, card_name: str, card: Card, free: float | None = None) -> str:
-    """The plan of this run (--quick, --check, --only) on `card`; on a GPU, the three runs' totals."""
+    """The plan of this run (--quick, --check, --only) on `card`; on a GPU, the three runs'
+    totals."""
     this, plans = "check" if args.check else "quick" if args.quick else "full", {}
     for mode in ("full", "quick", "check") if gpu else (this,):
         scale, why = make_scale(argparse.Namespace(**{**vars(args), "quick": mode == "quick"}), gpu,
                                 card.memory if free is None else free)
         names = args.only.split(",") if args.only and mode == this else EXPERIMENTS
-        plans[mode] = (plan_run({"check": check} if mode == "check" else {n: EXPERIMENTS[n] for n in names},
-                                scale, card), scale, why)
+        plans[mode] = (plan_run({"check": check} if mode == "check"
+                                else {n: EXPERIMENTS[n] for n in names}, scale, card), scale, why)
     return describe(plans, this, card_name, card, gpu)
 
 
@@ -123,7 +132,8 @@ def main(argv=None):
         return {}
     # Read first: a file that is not bench results stops the run before any work.
     results = load_results(args.json) if args.json else {}
-    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device if args.device != "auto"
+                          else "cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     card = card_for(device) if gpu else None
     scale, why = make_scale(args, gpu, card[1].memory if gpu else None)
@@ -132,13 +142,17 @@ def main(argv=None):
                                           f"{torch.get_num_threads()} threads)",
             "dtype": args.dtype, "torch": torch.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "model": scale.path,
-            "timing_model": scale.path, "quality_model": scale.quality_path, "scale": why, "quick": args.quick,
-            "command": " ".join(["python", "bench.py"] + list(sys.argv[1:] if argv is None else argv))}
-    print(f"# nanoinfer bench\n\n{meta['device']}, torch {meta['torch']}, dtype {args.dtype}, {meta['date']}\n"
+            "timing_model": scale.path, "quality_model": scale.quality_path, "scale": why,
+            "quick": args.quick,
+            "command": " ".join(["python", "bench.py"]
+                                + list(sys.argv[1:] if argv is None else argv))}
+    print(f"# nanoinfer bench\n\n{meta['device']}, torch {meta['torch']}, dtype {args.dtype}, "
+          f"{meta['date']}\n"
           f"Timing model {scale.path} ({weights_label(scale.path)}; {why}); quality model "
           f"{os.path.basename(scale.quality_path)} ({weights_label(scale.quality_path)}).\n")
-    try:                                   # the plan first (the roofline assignment unfinished: none)
-        print(plan_text(args, gpu, meta["device"], card[1] if gpu else CARDS["h100-80gb"]) + "\n", flush=True)
+    try:                                 # the plan first (the roofline assignment unfinished: none)
+        print(plan_text(args, gpu, meta["device"], card[1] if gpu else CARDS["h100-80gb"]) + "\n",
+              flush=True)
     except NotImplementedError as e:
         print(f"bench: no plan ({e})\n", file=sys.stderr)
     results["meta"] = meta                 # the latest run
@@ -155,13 +169,14 @@ def main(argv=None):
 
 
 def run_all(b: Bench, names: list, results: dict, meta: dict, folder: str | None):
-    """The experiments one after another (they never share the machine), each saved and drawn when done."""
+    """The experiments one after another (they never share the machine), each saved and drawn
+    when done."""
     try:
         import matplotlib  # noqa: F401  (the pictures)
     except ImportError:
         if folder:
-            print("bench: matplotlib is not installed: tables only, no pictures (pip install matplotlib)",
-                  file=sys.stderr, flush=True)
+            print("bench: matplotlib is not installed: tables only, no pictures "
+                  "(pip install matplotlib)", file=sys.stderr, flush=True)
         folder = None
     start = time.perf_counter()
     for i, name in enumerate(names, 1):
@@ -174,18 +189,23 @@ def run_all(b: Bench, names: list, results: dict, meta: dict, folder: str | None
         if folder:
             try:
                 fig["plot"] = write_plot(name, fig, folder)
-            except Exception as e:                   # noqa: BLE001 (a picture never costs the figures)
+            except Exception as e:                # noqa: BLE001 (a picture never costs the figures)
                 fig["plot_error"] = f"{type(e).__name__}: {e}"
         results[name] = fig
         models = "; ".join(f"{p} ({label})" for p, label in b.used.items())
         picture = f"\n\nPicture: {fig['plot']}" if fig.get("plot") else ""
-        print(f"\n## {name}\n\n" + (f"Model: {models}.\n\n" if models else "") + f"{text}{picture}\n", flush=True)
+        print(f"\n## {name}\n\n" + (f"Model: {models}.\n\n" if models else "")
+              + f"{text}{picture}\n", flush=True)
         status = "FAILED" if "error" in fig else "skipped" if "skipped" in fig else "done"
-        print(f"bench: [{i}/{len(names)}] {name} {status} in {fig['wall_seconds']:.0f} s", file=sys.stderr, flush=True)
-        save_results(b.args.json, results)           # after every experiment: a cut-short run keeps what it measured
-    for key, said in (("skipped", "skipped"), ("error", "FAILED")):     # the end of a long log says it again
+        print(f"bench: [{i}/{len(names)}] {name} {status} in {fig['wall_seconds']:.0f} s",
+              file=sys.stderr, flush=True)
+        # after every experiment: a cut-short run keeps what it measured
+        save_results(b.args.json, results)
+    # the end of a long log says it again
+    for key, said in (("skipped", "skipped"), ("error", "FAILED")):
         if any(key in results[n] for n in names):
-            print(f"bench: {said}: " + "; ".join(f"{n} ({results[n][key]})" for n in names if key in results[n]),
+            print(f"bench: {said}: " + "; ".join(f"{n} ({results[n][key]})" for n in names
+                                                 if key in results[n]),
                   file=sys.stderr, flush=True)
 
 
@@ -194,54 +214,33 @@ def run_experiment(b: Bench, name: str) -> tuple[dict, str]:
     and frees what it held, and the next experiment runs."""
     try:
         return EXPERIMENTS[name].run(b)
-    except Exception as e:                           # noqa: BLE001 (KeyboardInterrupt still stops the run)
+    except Exception as e:                    # noqa: BLE001 (KeyboardInterrupt still stops the run)
         tb = traceback.format_exc()
         print(tb, file=sys.stderr)
         b.release()                                  # the failed experiment's engines hold memory
         return ({"error": f"{type(e).__name__}: {e}", "traceback": tb},
-                f"**Failed**: {type(e).__name__}: {e} (the traceback is in the JSON and on stderr).")
+                f"**Failed**: {type(e).__name__}: {e} (the traceback is in the JSON and on "
+                "stderr).")
     finally:
         b.done()
 
 
 def plots_dir(args) -> str | None:
-    """Where the pictures go: --plots, else beside --json (results/x.json -> results/x/), else ./bench-plots."""
+    """Where the pictures go: --plots, else beside --json (results/x.json -> results/x/), else
+    ./bench-plots."""
     if args.no_plots:
         return None
     return args.plots or (os.path.splitext(args.json)[0] if args.json else "bench-plots")
 
 
-def save_results(path: str | None, results: dict):
-    if path:
-        with open(path + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(path + ".tmp", path)      # atomic: a crash mid-write never leaves half a file
-
-
 def failed(results: dict) -> bool:
-    """Whether an experiment or a check of THIS run (not one merged from the file) failed: the exit status."""
+    """Whether an experiment or a check of THIS run (not one merged from the file) failed: the
+    exit status."""
     meta = results.get("meta")
-    mine = [r for k, r in results.items() if k != "meta" and isinstance(r, dict) and r.get("meta") is meta]
+    mine = [r for k, r in results.items()
+            if k != "meta" and isinstance(r, dict) and r.get("meta") is meta]
     return any("error" in r for r in mine) or any(c["verdict"] == check.FAIL for r in mine
                                                   for c in r.get("checks", {}).values())
-
-
-def load_results(path: str) -> dict:
-    """The results already in `path` (none if it does not exist). A file that is not a bench result
-    (not JSON, not an object, or an object without the "meta" every bench file has) is never
-    overwritten: SystemExit instead."""
-    if not os.path.exists(path):
-        return {}
-    try:
-        with open(path) as f:
-            old = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"bench.py: {path} exists but cannot be read as bench results ({e}); "
-                         "refusing to overwrite it: move it away or choose another --json file") from None
-    if not isinstance(old, dict) or (old and not isinstance(old.get("meta"), dict)):
-        raise SystemExit(f"bench.py: {path} is not a bench results file (no \"meta\" object); "
-                         "refusing to overwrite it: move it away or choose another --json file")
-    return old
 
 
 if __name__ == "__main__":

@@ -40,12 +40,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from cache import flatten_step
 from support.gpu import jit, tl, triton
 
-STRICT_SDPA = False     # True (bench.py --strict-sdpa): on CUDA, SDPA falling back to its math backend raises
-BACKEND = "inductor"    # torch.compile's backend (tests/cuda_sim.py: "aot_eager", whose aten ops it sees)
+# True (bench.py --strict-sdpa): on CUDA, SDPA falling back to its math backend raises.
+STRICT_SDPA = False
+# torch.compile's backend (tests/cuda_sim.py: "aot_eager", whose aten ops it sees).
+BACKEND = "inductor"
 
 
 def on_cuda(device) -> bool:
-    """Does this run take CUDA's code paths? (The one test of it: tests/cuda_sim.py says yes on a CPU.)"""
+    """Does this run take CUDA's code paths? (The one test of it: tests/cuda_sim.py says yes on
+    a CPU.)"""
     return torch.device(device).type == "cuda"
 
 
@@ -63,20 +66,21 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                  # [B, W, bs, n_kv, d]: one gather
     n_kv, T = k.shape[-2], block_tables.shape[1] * k.shape[2]
-    k, v = k.view(B, T, n_kv, d).transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)   # [B, n_kv, T, d]
+    # k, v: [B, n_kv, T, d]
+    k, v = k.view(B, T, n_kv, d).transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)
     i = torch.arange(Q, device=q.device)
     if query_lens is None:
         q_pos = seq_lens[:, None] - Q + i                                        # [B, Q]
     else:
         q_pos = seq_lens[:, None] - query_lens[:, None] + i
-        q_pos = torch.minimum(q_pos, seq_lens[:, None] - 1)                      # padding: last real position
+        q_pos = torch.minimum(q_pos, seq_lens[:, None] - 1)            # padding: last real position
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
-    if cache.sliding_window:            # Mistral: only the last W, k > q - W (model.in_window): a band mask
+    if cache.sliding_window:            # Mistral: last W only, k > q-W (model.in_window): band mask
         visible &= torch.arange(T, device=q.device) > q_pos[:, :, None] - cache.sliding_window
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None],
                                          enable_gqa=True) if not on_cuda(q.device) else \
-        grouped_attention(q, k, v, visible)           # CUDA: a mask AND enable_gqa reach no fused kernel
-    return out.transpose(1, 2)                                                   # [B, H, Q, d] -> [B, Q, H, d]
+        grouped_attention(q, k, v, visible)      # CUDA: a mask AND enable_gqa reach no fused kernel
+    return out.transpose(1, 2)                                        # [B, H, Q, d] -> [B, Q, H, d]
     # end assignment
 
 
@@ -85,12 +89,13 @@ def grouped_attention(q, k, v, visible):
     memory-efficient kernel unequal head counts: with both, SDPA silently runs its math backend and
     writes every score to memory. So the G query heads of a KV head become G queries of it: equal
     head counts, a mask row per query, K, V read once per group. q [B, Q, H, d] -> [B, H, Q, d]."""
-    (B, Q, H, d), G = q.shape, q.shape[2] // k.shape[1]                                 # k, v [B, n_kv, T, d]
-    qg = q.reshape(B, Q, -1, G, d).permute(0, 2, 1, 3, 4).reshape(B, -1, Q * G, d)     # row i * G + g
-    mask = visible.repeat_interleave(G, dim=1)[:, None]                                  # [B, 1, Q*G, T]
+    (B, Q, H, d), G = q.shape, q.shape[2] // k.shape[1]                       # k, v [B, n_kv, T, d]
+    qg = q.reshape(B, Q, -1, G, d).permute(0, 2, 1, 3, 4).reshape(B, -1, Q * G, d)   # row i * G + g
+    mask = visible.repeat_interleave(G, dim=1)[:, None]                             # [B, 1, Q*G, T]
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-    with sdpa_kernel(fused) if STRICT_SDPA else contextlib.nullcontext():   # strict: a fallback raises
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)                   # [B, n_kv, Q*G, d]
+    # strict: a fallback raises
+    with sdpa_kernel(fused) if STRICT_SDPA else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)           # [B, n_kv, Q*G, d]
     return out.view(B, -1, Q, G, d).permute(0, 1, 3, 2, 4).reshape(B, H, Q, d)
 
 
@@ -98,7 +103,8 @@ def grouped_attention(q, k, v, visible):
 class QueryGroup:
     """Sequences whose queries are padded to one length Q (a power of two). index[Bg, Q]: the
     row of the flat batch of each padded query; padding points at row N, a dummy row past the
-    real ones. None: the whole batch in order, Q queries each. The rest as batched_paged_attention."""
+    real ones. None: the whole batch in order, Q queries each. The rest as
+    batched_paged_attention."""
     index: torch.Tensor | None
     block_tables: torch.Tensor           # [Bg, W]
     seq_lens: torch.Tensor               # [Bg]
@@ -120,11 +126,12 @@ class StepContext:
         N, H, d = q.shape
         if len(self.groups) == 1 and self.groups[0].index is None:   # decode: no gather, no scatter
             g, B = self.groups[0], self.groups[0].block_tables.shape[0]
-            return batched_paged_attention(q.view(B, N // B, H, d), self.cache, layer, g.block_tables,
-                                           g.seq_lens, g.query_lens).reshape(N, H, d)
-        qx = torch.cat([q, q.new_zeros(1, H, d)])                # row N: where padded queries read and write
+            return batched_paged_attention(q.view(B, N // B, H, d), self.cache, layer,
+                                           g.block_tables, g.seq_lens,
+                                           g.query_lens).reshape(N, H, d)
+        qx = torch.cat([q, q.new_zeros(1, H, d)])       # row N: where padded queries read and write
         out = torch.empty_like(qx)
-        for g in self.groups:                                    # a few length classes, not sequences
+        for g in self.groups:                                  # a few length classes, not sequences
             o = batched_paged_attention(qx[g.index], self.cache, layer, g.block_tables, g.seq_lens,
                                         g.query_lens)            # [Bg, Q, H, d]
             out[g.index.flatten()] = o.flatten(0, 1)
@@ -134,7 +141,8 @@ class StepContext:
 # --- The compiled path's attention: the paged cache read where it lies --------
 def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
     """batched_paged_attention's function for torch.compile, in float32. q: [B, Q, H, d];
-    block_tables: [B, W]; q_pos: [B, Q], each query's position: it sees keys 0..q_pos (a window: the last W).
+    block_tables: [B, W]; q_pos: [B, Q], each query's position: it sees keys 0..q_pos (a window:
+    the last W).
 
     Why: SDPA takes K, V as tensors, so batched_paged_attention first COPIES the
     blocks into a padded [B, T, n_kv, d] tensor: the batch's whole context written
@@ -143,20 +151,20 @@ def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
     dequantized there): each cached byte read once. Eagerly: a [B, Q, T, H, d] product.
     """
     B, Q, H, d = q.shape
-    k, v = cache.blocks(layer, block_tables)                       # [B, W, bs, n_kv, d]: fused loads
+    k, v = cache.blocks(layer, block_tables)                      # [B, W, bs, n_kv, d]: fused loads
     n_kv, T = k.shape[3], k.shape[1] * k.shape[2]
     k, v = (t.reshape(B, 1, T, n_kv, 1, d).float() for t in (k, v))
     qg = q.reshape(B, Q, 1, n_kv, H // n_kv, d).float()          # GQA: G query heads per KV head
     # G innermost: the G heads sharing a K row are neighbours, so the row is loaded once.
     scores = (qg * k).sum(-1) / math.sqrt(d)                     # [B, Q, T, n_kv, G]
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
-    if cache.sliding_window:                                     # Mistral's window (an int: a trace constant)
+    if cache.sliding_window:                           # Mistral's window (an int: a trace constant)
         visible &= torch.arange(T, device=q.device) > q_pos[:, :, None] - cache.sliding_window
-    visible = visible[..., None, None]                                               # [B, Q, T, 1, 1]
+    visible = visible[..., None, None]                                             # [B, Q, T, 1, 1]
     p = scores.masked_fill(~visible, float("-inf")).softmax(dim=2)
     # Masked keys weigh exactly 0, but 0 * NaN is NaN: a block past a sequence's end
     # may hold anything (padding, a stale block), so its values are zeroed, not trusted.
-    out = torch.where(visible[..., None], p[..., None] * v, 0.0).sum(2)             # [B, Q, n_kv, G, d]
+    out = torch.where(visible[..., None], p[..., None] * v, 0.0).sum(2)         # [B, Q, n_kv, G, d]
     return out.reshape(B, Q, H, d).to(q.dtype)
 
 
@@ -166,41 +174,42 @@ def _paged_decode_kernel(q, k, v, tables, q_pos, out, m_out, l_out, scale, windo
                          sq_b, sq_q, sq_h, sk_blk, sk_tok, sk_h, so_s, so_b, so_q, so_h,   # strides
                          Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr,
-                         ONE_SPLIT: tl.constexpr):  # pragma: no cover (compiled for a GPU by Triton)
+                         ONE_SPLIT: tl.constexpr):  # pragma: no cover (compiled for GPUs by Triton)
     """Program (b, h, s): the Q*G queries of sequence b that share KV head h, against keys
     [s*chunk, (s+1)*chunk) of its pages. Each K, V row is read ONCE, through the block table,
     for all G heads; an online softmax keeps a running max m, sum l and unnormalized output acc.
     One split: the output itself. Several: (acc, m, l) per split, for _combine_splits_kernel."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m = tl.arange(0, BLOCK_M)                           # row m = query i * G + head g (padded to 16)
+    m = tl.arange(0, BLOCK_M)                          # row m = query i * G + head g (padded to 16)
     i, real = m // G, m < Q * G
     d = tl.arange(0, D)
     qv = tl.load(q + b * sq_b + i[:, None] * sq_q + (h * G + m % G)[:, None] * sq_h + d[None, :],
-                 mask=real[:, None], other=0.0)                                          # [BLOCK_M, D]
+                 mask=real[:, None], other=0.0)                                       # [BLOCK_M, D]
     pos = tl.load(q_pos + b * Q + i, mask=real, other=0)                                 # [BLOCK_M]
-    last = tl.load(q_pos + b * Q + Q - 1)               # the last query's position (the largest): no key past it
-    m_i = tl.full([BLOCK_M], -1e30, tl.float32)         # finite: a row whose tile is all masked adds 0
+    last = tl.load(q_pos + b * Q + Q - 1)  # the last query's position (the largest): no key past it
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)      # finite: a row whose tile is all masked adds 0
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     end = tl.minimum(s * chunk + chunk, last + 1)      # this split's keys: [s * chunk, end)
     for start in range(s * chunk, end, BLOCK_T):
-        t = start + tl.arange(0, BLOCK_T)                                                # key positions
+        t = start + tl.arange(0, BLOCK_T)                                            # key positions
         inside = t < end
         page = tl.load(tables + b * W + t // BS, mask=inside, other=0)
-        row = page * sk_blk + (t % BS) * sk_tok + h * sk_h                               # gather: K row t
-        kt = tl.load(k + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)    # [BLOCK_T, D]
+        row = page * sk_blk + (t % BS) * sk_tok + h * sk_h                         # gather: K row t
+        kt = tl.load(k + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)  # [BLOCK_T, D]
         vt = tl.load(v + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)
         scores = tl.dot(qv, tl.trans(kt), input_precision="ieee" if EXACT else "tf32") * scale
         seen = (t[None, :] <= pos[:, None]) & inside[None, :]                            # causal
-        seen &= (window == 0) | (t[None, :] > pos[:, None] - window)                     # sliding window
+        seen &= (window == 0) | (t[None, :] > pos[:, None] - window)                # sliding window
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)                     # rescale what was summed under the old max
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee" if EXACT else "tf32")
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt,
+                                            input_precision="ieee" if EXACT else "tf32")
         m_i = m_new
-    o = s * so_s + b * so_b + i * so_q + (h * G + m % G) * so_h         # this split's row of each output
+    o = s * so_s + b * so_b + i * so_q + (h * G + m % G) * so_h    # this split's row of each output
     if ONE_SPLIT:                                       # softmax(q k^T) v, in q's dtype
         tl.store(out + o[:, None] * D + d[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
                  mask=real[:, None])
@@ -211,15 +220,17 @@ def _paged_decode_kernel(q, k, v, tables, q_pos, out, m_out, l_out, scale, windo
 
 
 @jit
-def _combine_splits_kernel(acc, m, l, out, S, rows, D: tl.constexpr,
-                           BLOCK_S: tl.constexpr):  # pragma: no cover (compiled for a GPU by Triton)
-    """Row r of the output from its S splits: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max m_s."""
+def _combine_splits_kernel(acc, m, den, out, S, rows, D: tl.constexpr,
+                           BLOCK_S: tl.constexpr):  # pragma: no cover (compiled for GPUs by Triton)
+    """Row r of the output from its S splits: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s,
+    M = max m_s."""
     r, s, d = tl.program_id(0), tl.arange(0, BLOCK_S), tl.arange(0, D)
     ms = tl.load(m + s * rows + r, mask=s < S, other=float("-inf"))                      # [BLOCK_S]
-    w = tl.exp(ms - tl.max(ms, axis=0))                                                  # each split's share
-    ls = tl.load(l + s * rows + r, mask=s < S, other=0.0)
+    w = tl.exp(ms - tl.max(ms, axis=0))                                         # each split's share
+    ls = tl.load(den + s * rows + r, mask=s < S, other=0.0)
     a = tl.load(acc + (s * rows + r)[:, None] * D + d[None, :], mask=(s < S)[:, None], other=0.0)
-    tl.store(out + r * D + d, (tl.sum(a * w[:, None], axis=0) / tl.sum(ls * w, axis=0)).to(out.dtype.element_ty))
+    tl.store(out + r * D + d,
+             (tl.sum(a * w[:, None], axis=0) / tl.sum(ls * w, axis=0)).to(out.dtype.element_ty))
 
 
 @torch.library.custom_op("nanoinfer::paged_decode", mutates_args=())
@@ -242,17 +253,20 @@ def launch_paged_decode(q, k, v, block_tables, q_pos, window: int, splits: int |
         splits = max(1, min(-(-2 * sms // (B * n_kv)), -(-W * bs // 256)))     # >= 256 keys a split
     chunk = -(-(-(-W * bs // splits)) // BLOCK_T) * BLOCK_T                       # keys per split
     out = torch.empty_like(q) if splits == 1 else \
-        torch.empty(splits, B, Q, H, d, device=q.device, dtype=torch.float32)   # per split: sum p v,
-    m, l = (torch.empty(splits, B, Q, H, device=q.device, dtype=torch.float32) for _ in "ml")   # max, sum p
+        torch.empty(splits, B, Q, H, d, device=q.device, dtype=torch.float32)  # per split: sum p v,
+    m, den = (torch.empty(splits, B, Q, H, device=q.device, dtype=torch.float32)
+              for _ in "ml")                                                   # max, sum p
     _paged_decode_kernel[(B, n_kv, splits)](
-        q, k, v, block_tables, q_pos, out, m, l, 1 / math.sqrt(d), window, W, chunk,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2), k.stride(3), *m.stride()[:4],
+        q, k, v, block_tables, q_pos, out, m, den, 1 / math.sqrt(d), window, W, chunk,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2), k.stride(3),
+        *m.stride()[:4],
         Q=Q, G=H // n_kv, D=d, BS=bs, BLOCK_M=max(16, triton.next_power_of_2(Q * H // n_kv)),
         BLOCK_T=BLOCK_T, EXACT=q.dtype == torch.float32, ONE_SPLIT=splits == 1)
     if splits == 1:
         return out
     final, rows = torch.empty_like(q), B * Q * H
-    _combine_splits_kernel[(rows,)](out, m, l, final, splits, rows, D=d, BLOCK_S=triton.next_power_of_2(splits))
+    _combine_splits_kernel[(rows,)](out, m, den, final, splits, rows, D=d,
+                                    BLOCK_S=triton.next_power_of_2(splits))
     return final
 
 
@@ -275,7 +289,8 @@ class Staging:
     def __init__(self, device):
         self.device, self.cuda = torch.device(device), on_cuda(device)
         self.event = torch.cuda.Event() if self.cuda else None
-        self.buf = torch.empty(1 << 16, dtype=torch.int64, pin_memory=self.cuda)   # pinned: an async DMA
+        # pinned: an async DMA
+        self.buf = torch.empty(1 << 16, dtype=torch.int64, pin_memory=self.cuda)
 
     def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         sizes = [a.size for a in arrays]
@@ -286,7 +301,8 @@ class Staging:
             self.buf = torch.empty(2 * total, dtype=torch.int64, pin_memory=self.cuda)
         host = self.buf[:total]
         if total:
-            np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays], out=host.numpy())
+            np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays],
+                           out=host.numpy())
         dev = host.to(self.device, non_blocking=True, copy=True)         # one copy
         if self.event is not None:
             self.event.record()                           # ... which the next send waits for
@@ -325,10 +341,10 @@ class StepInputs:
                 if seq_id in self.row_of:
                     self.free_rows.append(self.row_of.pop(seq_id))
                 continue
-            if seq_id not in self.row_of:                     # rows in use are 0..n-1 when none is free
+            if seq_id not in self.row_of:                 # rows in use are 0..n-1 when none is free
                 self.row_of[seq_id] = self.free_rows.pop() if self.free_rows else len(self.row_of)
             row, (R, W) = self.row_of[seq_id], self.tables.shape
-            if row >= R or len(table) > W:                    # grow by doubling: amortized O(1) per step
+            if row >= R or len(table) > W:               # grow by doubling: amortized O(1) per step
                 grown = np.zeros((2 * max(row, R), 2 * max(len(table), W)), dtype=np.int64)
                 grown[:R, :W] = self.tables
                 self.tables = grown
@@ -344,15 +360,18 @@ class StepInputs:
                          None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64))
 
     def groups(self, hb: HostBatch):
-        """Split the batch into query-length classes: [(index or None, tables, seq_lens, query_lens)]."""
-        qcls = 1 << np.ceil(np.log2(hb.query_lens)).astype(np.int64)   # length class: next power of two
+        """Split the batch into query-length classes: [(index or None, tables, seq_lens,
+        query_lens)]."""
+        # length class: next power of two
+        qcls = 1 << np.ceil(np.log2(hb.query_lens)).astype(np.int64)
         N, first = len(hb.input_ids), np.cumsum(hb.query_lens) - hb.query_lens
         widths = -(-hb.seq_lens // self.bs)                          # blocks each sequence uses
         out = []
         for Q in np.unique(qcls):
             m = np.nonzero(qcls == Q)[0]
             tables = self.tables[hb.rows[m], :widths[m].max()]
-            if len(m) == len(qcls) and (hb.query_lens == Q).all():   # the whole batch, uniform: no gather
+            # the whole batch, uniform: no gather
+            if len(m) == len(qcls) and (hb.query_lens == Q).all():
                 out.append((None, tables, hb.seq_lens, None))
                 continue
             idx, real = query_rows(first[m], hb.query_lens[m], Q)    # [Bg, Q]
@@ -362,7 +381,8 @@ class StepInputs:
     def device(self, hb: HostBatch, cache):
         """HostBatch -> (input_ids, positions, StepContext) on the device, in one copy."""
         groups = self.groups(hb)
-        arrays = [hb.input_ids, hb.positions, hb.slot_mapping, hb.logits_rows] + [a for g in groups for a in g]
+        arrays = ([hb.input_ids, hb.positions, hb.slot_mapping, hb.logits_rows]
+                  + [a for g in groups for a in g])
         t = iter(self.staging.send([a for a in arrays if a is not None]))
         input_ids, positions, slots = next(t), next(t), next(t)
         logits_indices = next(t) if hb.logits_rows is not None else None
@@ -415,16 +435,19 @@ class LayerContext:
     the model's layer index), slot_mapping [B*Q], block_tables [B, W], q_pos [B, Q]."""
 
     def __init__(self, cache, slot_mapping, block_tables, q_pos):
-        self.cache, self.slot_mapping, self.block_tables, self.q_pos = cache, slot_mapping, block_tables, q_pos
+        self.cache, self.slot_mapping = cache, slot_mapping
+        self.block_tables, self.q_pos = block_tables, q_pos
 
-    def attend(self, layer: int, q, k, v):  # pragma: no cover (runs only inside torch.compile's trace)
-        # Write first (a token sees itself) into the layer's whole [1, ...] pool (`:`, not 0): the graph
-        # INPUT the op says it mutates. AOTAutograd rebuilds a mutated view OF an input from the offset
-        # seen in tracing (layer 0's), unguarded: other layers' writes would land in a copy of layer 0.
+    def attend(self, layer: int, q, k, v):  # pragma: no cover (runs only in torch.compile's trace)
+        # Write first (a token sees itself) into the layer's whole [1, ...] pool (`:`, not 0): the
+        # graph INPUT the op says it mutates. AOTAutograd rebuilds a mutated view OF an input from
+        # the offset seen in tracing (layer 0's), unguarded: other layers' writes would land in a
+        # copy of layer 0.
         self.cache.write(slice(None), self.slot_mapping, k, v)
         B, Q = self.q_pos.shape
         q = q.view(B, Q, *q.shape[1:])
-        if q.device.type == "cuda" and triton is not None and self.cache.storage_dtype is None:   # one kernel
+        # CUDA, Triton, an unquantized cache: one kernel
+        if q.device.type == "cuda" and triton is not None and self.cache.storage_dtype is None:
             out = paged_decode(q, self.cache.k, self.cache.v, self.block_tables, self.q_pos,
                                self.cache.sliding_window or 0)
         else:
@@ -432,7 +455,7 @@ class LayerContext:
         return out.flatten(0, 1)                                       # [B*Q, H, d]
 
 
-def _block(block, x, cos, sin, ctx):  # pragma: no cover (compiled: the region torch.compile sees, one block)
+def _block(block, x, cos, sin, ctx):  # pragma: no cover (compiled: torch.compile's region, a block)
     return block(x, cos, sin, ctx)
 
 
@@ -452,10 +475,14 @@ class CompiledModel:
         # Each model and dtype compiled in one process adds variants; dynamo's default limit is 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # Inductor's coalescing analysis (torch 2.11-2.13) asserts on this block's dynamic shapes at
-        # Llama-3.1-8B's width on CUDA ("failed to set ranges", seen on an H200): it only picks tilings.
-        opts = {"options": {"triton.coalesce_tiling_analysis": False}} if BACKEND == "inductor" else {}
-        block, head = (torch.compile(f, fullgraph=True, backend=BACKEND, **opts) for f in (_block, _head))
-        self.layers = [functools.partial(self._run_block, block, i, b) for i, b in enumerate(model.layers)]
+        # Llama-3.1-8B's width on CUDA ("failed to set ranges", seen on an H200): it only picks
+        # tilings.
+        opts = ({"options": {"triton.coalesce_tiling_analysis": False}}
+                if BACKEND == "inductor" else {})
+        block, head = (torch.compile(f, fullgraph=True, backend=BACKEND, **opts)
+                       for f in (_block, _head))
+        self.layers = [functools.partial(self._run_block, block, i, b)
+                       for i, b in enumerate(model.layers)]
         self.lm_head = lambda x: head(model.lm_head, dynamic(x, 0))
 
     @staticmethod
@@ -477,7 +504,8 @@ class CompiledDecoder:
     def __init__(self, model, cache, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
                  query_sizes=(1,)):
         self.model, self.cache, self.scratch_block = model, cache, scratch_block
-        self.batch_sizes, self.widths = batch_buckets(max_num_seqs), width_buckets(max_blocks_per_seq)
+        self.batch_sizes = batch_buckets(max_num_seqs)
+        self.widths = width_buckets(max_blocks_per_seq)
         self.query_sizes = sorted(set(query_sizes) | {1})
         self.device, self.cuda = cache.k.device, on_cuda(cache.k.device)
         self.regions = CompiledModel(model)
@@ -490,7 +518,7 @@ class CompiledDecoder:
         self.logits = torch.zeros(rows, model.config.vocab_size, device=self.device)
         self.staging = Staging(self.device)
         self.contexts, self.graphs, self.pool = {}, {}, None
-        self.steps = {Q: 0 for Q in self.query_sizes}        # steps run per query size (tests, bench)
+        self.steps = {Q: 0 for Q in self.query_sizes}      # steps run per query size (tests, bench)
 
     def fits(self, query_lens) -> bool:
         """Can a step with these per-sequence query lengths run here?"""
@@ -499,16 +527,19 @@ class CompiledDecoder:
     def __call__(self, tokens, positions, slots, tables, query_lens=None, logits_rows=None):
         """One step: tokens, positions, slots [N], tables [B, W] (padded with any valid block),
         query_lens [B] (None: one each), logits_rows (None: all). Returns logits [rows, V]."""
-        tokens, positions, slots, tables = (np.asarray(a, dtype=np.int64) for a in (tokens, positions, slots, tables))
-        qlens = np.ones(len(tokens), np.int64) if query_lens is None else np.asarray(query_lens, np.int64)
-        last = positions[np.cumsum(qlens) - 1]                            # each sequence's last position
+        tokens, positions, slots, tables = (np.asarray(a, dtype=np.int64)
+                                            for a in (tokens, positions, slots, tables))
+        qlens = (np.ones(len(tokens), np.int64) if query_lens is None
+                 else np.asarray(query_lens, np.int64))
+        last = positions[np.cumsum(qlens) - 1]                       # each sequence's last position
         key = (bucket(int(qlens.max()), self.query_sizes), bucket(len(qlens), self.batch_sizes),
                bucket(int(last.max()) // self.cache.block_size + 1, self.widths))
         prow = self._load(key, tokens, positions, slots, tables, qlens)
         self._run(key)
         self.steps[key[0]] += 1
         prow = prow if logits_rows is None else prow[np.asarray(logits_rows, dtype=np.int64)]
-        return self.logits[torch.from_numpy(prow).to(self.device)]    # a copy: the next step overwrites
+        # a copy: the next step overwrites
+        return self.logits[torch.from_numpy(prow).to(self.device)]
 
     def _load(self, key, tokens, positions, slots, tables, qlens):
         """Pad the flat batch to bucket key = (Q, B, W) in the static inputs (ONE copy); return
@@ -516,7 +547,8 @@ class CompiledDecoder:
         Q, Bp, W = key
         B, scratch = len(qlens), self.scratch_block * self.cache.block_size
         src, real = query_rows(np.cumsum(qlens) - qlens, qlens, Q)            # [B, Q] each
-        ids, pos, slot = np.zeros((Bp, Q), np.int64), np.zeros((Bp, Q), np.int64), np.full((Bp, Q), scratch)
+        ids, pos = np.zeros((Bp, Q), np.int64), np.zeros((Bp, Q), np.int64)
+        slot = np.full((Bp, Q), scratch)
         if B:
             ids[:B], pos[:B] = np.where(real, tokens[src], 0), positions[src]
             slot[:B] = np.where(real, slots[src], scratch)
@@ -524,18 +556,20 @@ class CompiledDecoder:
         table[:B, :tables.shape[1]] = tables[:, :W]
         for static, part in zip((self.ids, self.positions, self.slots, self.tables),
                                 self.staging.send([ids, pos, slot, table])):     # one copy ...
-            static[:part.numel()].copy_(part.flatten())         # ... then into the graph's fixed addresses
-        return np.flatnonzero(real)                             # real query (b, i) is padded row b * Q + i
+            static[:part.numel()].copy_(part.flatten())  # ... then into the graph's fixed addresses
+        return np.flatnonzero(real)                      # real query (b, i) is padded row b * Q + i
 
     def _bucket(self, key):
         """The static inputs of bucket (Q, B, W) and its per-layer contexts (made once)."""
         if key not in self.contexts:
             (Q, B, W), n = key, key[0] * key[1]
-            q_pos = dynamic(self.positions[:n].view(B, Q), 0, 1)        # a query's position bounds its keys
+            # a query's position bounds its keys
+            q_pos = dynamic(self.positions[:n].view(B, Q), 0, 1)
             tables = dynamic(self.tables[:B * W].view(B, W), 0, 1)
             slots = dynamic(self.slots[:n], 0)
-            ctx = SimpleNamespace(layers=[LayerContext(c, slots, tables, q_pos) for c in self.layer_caches],
-                                  logits_indices=None)     # Transformer.forward's ctx: all rows get logits
+            # Transformer.forward's ctx: all rows get logits
+            ctx = SimpleNamespace(layers=[LayerContext(c, slots, tables, q_pos)
+                                          for c in self.layer_caches], logits_indices=None)
             self.contexts[key] = (self.ids[:n], self.positions[:n], ctx)
         return self.contexts[key]
 
@@ -562,24 +596,29 @@ class CompiledDecoder:
 
     def warmup_buckets(self) -> list[tuple]:
         """The (Q, B, W) run at warm-up. CUDA: all, biggest first so the shared pool fits them.
-        CPU, per Q: batch 1 and the biggest, narrowest; batch 1, widest: all guards crossed (int8's rows too)."""
+        CPU, per Q: batch 1 and the biggest, narrowest; batch 1, widest: all guards crossed
+        (int8's rows too)."""
         if self.cuda:
             keys = itertools.product(self.query_sizes, self.batch_sizes, self.widths)
             return sorted(keys, key=lambda k: -k[0] * k[1] * k[2])
         lo, hi = self.widths[0], self.widths[-1]
-        return [k for Q in self.query_sizes for k in ((Q, 1, lo), (Q, self.batch_sizes[-1], lo), (Q, 1, hi))]
+        return [k for Q in self.query_sizes
+                for k in ((Q, 1, lo), (Q, self.batch_sizes[-1], lo), (Q, 1, hi))]
 
     def scratch_step(self, key=None):
-        """Load bucket `key`'s static inputs with no real row (all writes go to the scratch block); return
-        its step. No key: the largest bucket, what a memory budget must hold (support/timing.py step_memory)."""
+        """Load bucket `key`'s static inputs with no real row (all writes go to the scratch
+        block); return its step. No key: the largest bucket, what a memory budget must hold
+        (support/timing.py step_memory)."""
         key = key or (self.query_sizes[-1], self.batch_sizes[-1], self.widths[-1])
-        self._load(key, *[np.zeros(0, np.int64)] * 3, np.zeros((0, 1), np.int64), np.zeros(0, np.int64))
+        self._load(key, *[np.zeros(0, np.int64)] * 3, np.zeros((0, 1), np.int64),
+                   np.zeros(0, np.int64))
         return lambda: self._forward(key)
 
     @torch.inference_mode()                   # as LLM.step runs (grad mode is guarded on)
     def warmup(self) -> float:
-        """Compile (and on CUDA record) every bucket now, on scratch rows only; seconds. Called again (serve.py's
-        engine thread) it reloads scratch rows first: the last real step's slots are in others' blocks."""
+        """Compile (and on CUDA record) every bucket now, on scratch rows only; seconds. Called
+        again (serve.py's engine thread) it reloads scratch rows first: the last real step's
+        slots are in others' blocks."""
         t0 = time.perf_counter()
         for key in self.warmup_buckets():
             self.scratch_step(key)

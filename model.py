@@ -34,7 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from support import checkpoint
-from support.default_model import default_model_path  # noqa: F401  (public: model.default_model_path)
+# public: model.default_model_path
+from support.default_model import default_model_path  # noqa: F401
 
 
 @dataclass
@@ -56,11 +57,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     random_seed: int | None = None  # set by "random:" presets: the weights are random, not trained
-    sliding_window: int | None = None  # Mistral's W: a query sees only its last W positions (None: all)
+    # Mistral's W: a query sees only its last W positions (None: all)
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """From a config.json dict, each field type- and range-checked (support/checkpoint.py) by its name there."""
+        """From a config.json dict, each field type- and range-checked (support/checkpoint.py)
+        by its name there."""
         return cls(**checkpoint.config_fields(hf))
 
 
@@ -118,8 +121,9 @@ def apply_rope(x, cos, sin):
 
 
 def in_window(q_pos, k_pos, window: int):
-    """Sliding window (Mistral, as Hugging Face masks config.sliding_window): the query at position q sees
-    key position k iff q - W < k, its last W positions. q_pos [n_q], k_pos [T] -> [n_q, T] bool (not causal)."""
+    """Sliding window (Mistral, as Hugging Face masks config.sliding_window): the query at
+    position q sees key position k iff q - W < k, its last W positions. q_pos [n_q], k_pos [T]
+    -> [n_q, T] bool (not causal)."""
     # assignment: sliding-window
     return k_pos[None, :] > q_pos[:, None] - window
     # end assignment
@@ -137,8 +141,9 @@ def dense_causal_attention(q, k, v, window: int | None = None):
     scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float())   # [n_kv, G, N, N]
     scores = scores / math.sqrt(d)
     causal = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
-    if window:                                                       # and only the last W: j > i - W
-        causal &= in_window(torch.arange(N, device=q.device), torch.arange(N, device=q.device), window)
+    if window:                                                      # and only the last W: j > i - W
+        causal &= in_window(torch.arange(N, device=q.device), torch.arange(N, device=q.device),
+                            window)
     scores = scores.masked_fill(~causal, float("-inf"))             # token i sees j <= i
     probs = scores.softmax(dim=-1)
     out = torch.einsum("hgqk,khd->qhgd", probs, v.float())           # [N, n_kv, G, d]
@@ -152,7 +157,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx, self.window = layer_idx, cfg.sliding_window        # window: Mistral's W or None
+        self.layer_idx, self.window = layer_idx, cfg.sliding_window    # window: Mistral's W or None
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         b = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=b)
@@ -274,7 +279,8 @@ def model_flops_per_token(cfg: ModelConfig, context: int) -> float:
     """FLOPs to run one token through the model at a `context`-token position: 2 FLOPs
     (a multiply and an add) per weight of every matmul, plus attention's QK^T and PV over
     the context. Over the bytes a step reads it is the step's arithmetic intensity: a
-    decode step of B sequences does B x this for one read of the weights (experiments/roofline.py)."""
+    decode step of B sequences does B x this for one read of the weights
+    (experiments/roofline.py)."""
     # assignment: roofline
     d, h, kv, hd, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     # q, k, v, o projections + gate, up, down (each 2 * in * out), then attention:
@@ -288,7 +294,8 @@ def model_flops_per_token(cfg: ModelConfig, context: int) -> float:
 
 def read_config(path) -> ModelConfig:
     """The config of a model path without loading any weight: a checkpoint
-    directory's config.json, or a "random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W]" preset's."""
+    directory's config.json, or a "random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W]"
+    preset's."""
     return ModelConfig(**checkpoint.read_config_fields(path))
 
 
@@ -301,14 +308,16 @@ def load_model(path, device="cpu", dtype=torch.float32):
     cfg = read_config(path)
     if cfg.random_seed is not None:
         return random_weights(cfg, cfg.random_seed, device=device, dtype=dtype)
-    return _build(cfg, device, lambda expected: checkpoint.read_tensors(path, cfg, expected, device, dtype))
+    return _build(cfg, device,
+                  lambda expected: checkpoint.read_tensors(path, cfg, expected, device, dtype))
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, device="cpu", dtype=torch.float32):
     """A Transformer for cfg with seeded random weights, made directly on `device`
     in `dtype`, scaled so activations stay finite through any depth: speed
     depends on shapes and bytes only, so timings are real; text is not."""
-    return _build(cfg, device, lambda expected: checkpoint.random_tensors(expected, seed, device, dtype))
+    return _build(cfg, device,
+                  lambda expected: checkpoint.random_tensors(expected, seed, device, dtype))
 
 
 def _build(cfg: ModelConfig, device, tensors_for):

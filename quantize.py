@@ -65,21 +65,24 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dim: int = -1, dtype=t
 
 
 def _fitting(cfgs, named_args, **_):
-    """Tiles that fit the rows: 64-row tiles (prefill) take short K steps, or x's tile spills registers."""
+    """Tiles that fit the rows: 64-row tiles (prefill) take short K steps, or x's tile spills
+    registers."""
     return [c for c in cfgs if named_args["BLOCK_M"] == 16 or c.kwargs["BLOCK_K"] <= 128]
 
 
 # Which tile streams a weight fastest depends on its shape and the GPU: Triton times these once
-# per (N, K, BLOCK_M) on first use (at the engine's warm-up, before CUDA graphs record) and keeps the
-# best. W_FIRST: the weight tile is the product's left operand, read row by row as it is stored.
+# per (N, K, BLOCK_M) on first use (at the engine's warm-up, before CUDA graphs record) and keeps
+# the best. W_FIRST: the weight tile is the product's left operand, read row by row as it is
+# stored.
 @autotune(configs=configs(*[(n, k, wf, warps) for wf in (0, 1) for n, k, warps in
                             ((16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (64, 512, 8),
                              (32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 64, 8))],
                           names=("BLOCK_N", "BLOCK_K", "W_FIRST")),
           key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _fitting})
 @jit
-def _int8_matmul_kernel(x, w, scale, y, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, W_FIRST: tl.constexpr):  # pragma: no cover (a GPU's kernel)
+def _int8_matmul_kernel(x, w, scale, y, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        W_FIRST: tl.constexpr):  # pragma: no cover (a GPU's kernel)
     """y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] with int8 w: program (n, m) streams BLOCK_N
     weight rows once, converting each int8 byte to x's dtype in registers (never in memory), and
     multiplies them on the tensor cores (tl.dot) with a BLOCK_M-row tile of x (decode: 1-16 rows,
@@ -89,41 +92,49 @@ def _int8_matmul_kernel(x, w, scale, y, M, N, K, sx, sw, sy, BLOCK_M: tl.constex
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)                  # y^T: [n, m]
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x + m[None, :] * sx + k[:, None], mask=(m < M)[None, :] & (k < K)[:, None], other=0.0)
-        if W_FIRST:                                                  # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
-            wt = tl.load(w + n[:, None] * sw + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0)
-            acc += tl.dot(wt.to(xt.dtype), xt, input_precision="ieee" if xt.dtype == tl.float32 else "tf32")
-        else:                                                        # (x @ w^T)^T, x the left operand
-            wt = tl.load(w + n[None, :] * sw + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None], other=0)
+        xt = tl.load(x + m[None, :] * sx + k[:, None], mask=(m < M)[None, :] & (k < K)[:, None],
+                     other=0.0)
+        if W_FIRST:                                        # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
+            wt = tl.load(w + n[:, None] * sw + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :],
+                         other=0)
+            acc += tl.dot(wt.to(xt.dtype), xt,
+                          input_precision="ieee" if xt.dtype == tl.float32 else "tf32")
+        else:                                                      # (x @ w^T)^T, x the left operand
+            wt = tl.load(w + n[None, :] * sw + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None],
+                         other=0)
             acc += tl.trans(tl.dot(tl.trans(xt), wt.to(xt.dtype),
                                    input_precision="ieee" if xt.dtype == tl.float32 else "tf32"))
-    acc *= tl.load(scale + n, mask=n < N, other=0.0).to(tl.float32)[:, None]    # dequantize: once per output
+    # dequantize: once per output
+    acc *= tl.load(scale + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
     tl.store(y + m[None, :] * sy + n[:, None], acc, mask=(m < M)[None, :] & (n < N)[:, None])
 
 
 @torch.library.custom_op("nanoinfer::int8_matmul", mutates_args=())
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(x @ weight^T) * scale for int8 weight [N, K], x [..., K] -> [..., N] in x's dtype: the Triton
-    kernel (CUDA; a custom op, so torch.compile and CUDA graphs call it as it is)."""
+    """(x @ weight^T) * scale for int8 weight [N, K], x [..., K] -> [..., N] in x's dtype: the
+    Triton kernel (CUDA; a custom op, so torch.compile and CUDA graphs call it as it is)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     return launch_int8_matmul(rows, weight, scale).view(*x.shape[:-1], weight.shape[0])
 
 
 def launch_int8_matmul(rows, weight, scale, tile: tuple | None = None):
-    """The kernel on rows [M, K]: autotuned, or with tile = (BLOCK_N, BLOCK_K, W_FIRST, num_warps) given."""
+    """The kernel on rows [M, K]: autotuned, or with tile = (BLOCK_N, BLOCK_K, W_FIRST,
+    num_warps) given."""
     M, (N, K) = rows.shape[0], weight.shape
     y = torch.empty(M, N, device=rows.device, dtype=rows.dtype)
-    BLOCK_M = 16 if M <= 16 else 64            # decode batches: one tile of rows; larger: 64 per program
+    BLOCK_M = 16 if M <= 16 else 64       # decode batches: one tile of rows; larger: 64 per program
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, BLOCK_M))    # noqa: E731
     kernel, fixed = (_int8_matmul_kernel, {}) if tile is None else \
-        (_int8_matmul_kernel.fn, dict(BLOCK_N=tile[0], BLOCK_K=tile[1], W_FIRST=tile[2], num_warps=tile[3]))
+        (_int8_matmul_kernel.fn, dict(BLOCK_N=tile[0], BLOCK_K=tile[1], W_FIRST=tile[2],
+                                      num_warps=tile[3]))
     kernel[grid](rows, weight, scale, y, M, N, K, rows.stride(0), weight.stride(0), y.stride(0),
                  BLOCK_M=BLOCK_M, **fixed)
     return y
 
 
 int8_matmul.register_fake(lambda x, weight, scale: x.new_empty(*x.shape[:-1], weight.shape[0]))
-INT8_KERNEL_ROWS = 64   # CUDA: up to this many rows through the Triton kernel (decode); more: converted weight
+# CUDA: up to this many rows through the Triton kernel (decode); more: converted weight
+INT8_KERNEL_ROWS = 64
 
 
 FUSED_ROWS = 8   # compiled int8 products of up to this many rows run as one fused reduction
@@ -152,10 +163,13 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         # assignment: int8
-        if x.device.type == "cuda" and triton is not None and x.numel() <= INT8_KERNEL_ROWS * self.in_features:
-            y = int8_matmul(x, self.weight, self.scale)          # the int8 bytes read once, converted in registers
+        if (x.device.type == "cuda" and triton is not None
+                and x.numel() <= INT8_KERNEL_ROWS * self.in_features):
+            # the int8 bytes read once, converted in registers
+            y = int8_matmul(x, self.weight, self.scale)
         elif x.device.type == "cpu" and x.dtype == torch.bfloat16:
-            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scale.to(x.dtype))
+            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight,
+                                          self.scale.to(x.dtype))
             y = y.view(*x.shape[:-1], self.out_features)
         elif torch.compiler.is_compiling() and x.numel() <= FUSED_ROWS * self.in_features:
             y = self._fused(x)
@@ -164,7 +178,7 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
         # end assignment
 
-    def _fused(self, x):  # pragma: no cover (compiled code only: see the last line of the docstring)
+    def _fused(self, x):  # pragma: no cover (compiled code only: see the docstring's last line)
         """gpt-fast's int8 decode: a product the compiler turns into ONE kernel.
 
         As elementwise multiply + sum, the int8 -> float conversion is part of the
@@ -189,7 +203,8 @@ def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
     if method != "int8":
         raise ValueError(f"unknown quantization {method!r}; the supported method is 'int8'")
     if any(isinstance(m, Int8Linear) for m in model.modules()):
-        raise ValueError("the model is already quantized; load a fresh float model to quantize it again")
+        raise ValueError("the model is already quantized; load a fresh float model to quantize "
+                         "it again")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
@@ -227,7 +242,8 @@ class Int8KVCache(KVCache):
 
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
         super().__init__(cfg, num_blocks, block_size, device, dtype)         # int8 K, V
-        self.k_scale = torch.zeros(self.k.shape[:-1], device=device, dtype=torch.float32)   # [L, blocks, bs, n_kv]
+        self.k_scale = torch.zeros(self.k.shape[:-1], device=device,
+                                   dtype=torch.float32)                      # [L, blocks, bs, n_kv]
         self.v_scale = torch.zeros_like(self.k_scale)
         self.bytes_per_token = int8_kv_cache_bytes(cfg)
 
@@ -239,13 +255,17 @@ class Int8KVCache(KVCache):
             store_rows(scales[layer], slots, scale)
 
     def blocks(self, layer: int, block_ids):
-        k = dequantize_int8(self.k[layer][block_ids], self.k_scale[layer][block_ids], dtype=self.dtype)
-        v = dequantize_int8(self.v[layer][block_ids], self.v_scale[layer][block_ids], dtype=self.dtype)
+        k = dequantize_int8(self.k[layer][block_ids], self.k_scale[layer][block_ids],
+                            dtype=self.dtype)
+        v = dequantize_int8(self.v[layer][block_ids], self.v_scale[layer][block_ids],
+                            dtype=self.dtype)
         return k, v                                                  # [*S, bs, n_kv, d]
 
 
 def make_kv_cache(cfg, num_blocks: int, block_size: int, kv_cache_dtype, device, dtype) -> KVCache:
     """The one place a KV pool is made: the model's dtype (None) or int8."""
     if kv_cache_dtype not in (None, "int8"):
-        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', got {kv_cache_dtype!r}")
-    return (Int8KVCache if kv_cache_dtype == "int8" else KVCache)(cfg, num_blocks, block_size, device, dtype)
+        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', "
+                         f"got {kv_cache_dtype!r}")
+    return (Int8KVCache if kv_cache_dtype == "int8" else KVCache)(cfg, num_blocks, block_size,
+                                                                  device, dtype)

@@ -18,6 +18,7 @@ import copy
 import gc
 import io
 import itertools
+import json
 import math
 import os
 import random
@@ -357,3 +358,30 @@ def figure(r: dict, lesson: str, ncols: int = 1):
     fig.suptitle(f"{lesson}\n{meta.get('device', '?')} · {models}{dtype} · {str(meta.get('date', '?'))[:10]}",
                  fontsize=10)
     return fig, fig.subplots(1, ncols, squeeze=False)[0]
+
+
+# --- The --json file -------------------------------------------------------------
+def save_results(path: str | None, results: dict):
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(path + ".tmp", path)      # atomic: a crash mid-write never leaves half a file
+
+
+def load_results(path: str) -> dict:
+    """The results already in `path` (none if it does not exist). A file that is not a bench result
+    (not JSON, not an object, or an object without the "meta" every bench file has) is never
+    overwritten: SystemExit instead."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench.py: {path} exists but cannot be read as bench results ({e}); "
+                         "refusing to overwrite it: move it away or choose another --json "
+                         "file") from None
+    if not isinstance(old, dict) or (old and not isinstance(old.get("meta"), dict)):
+        raise SystemExit(f"bench.py: {path} is not a bench results file (no \"meta\" object); "
+                         "refusing to overwrite it: move it away or choose another --json file")
+    return old

@@ -25,7 +25,7 @@ NAME = "peer"
 # seats: nanoinfer's, and the size of transformers' static batches; requests: common.HETEROGENEOUS
 WORKLOAD = {"cpu": dict(seats=16, engine={}), "cpu-quick": dict(seats=8, engine={}),
             "gpu": dict(seats=16, engine={}), "gpu-quick": dict(seats=16, engine={})}
-SKIPPED = "transformers is not installed"
+SKIPPED = "transformers is not installed (pip install transformers: the peer it is compared with)"
 
 
 def hf_llama(llm, path: str):

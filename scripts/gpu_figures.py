@@ -91,12 +91,12 @@ def stage_probe(args):
     a, b = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
     ms = cuda_ms(lambda: b.copy_(a), iters=10)
     bw = 2 * n * 4 / (ms / 1e3)
-    del a, b
+    a = b = None                                         # free them
     m = 8192
     x, y = (torch.randn(m, m, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     ms_mm = cuda_ms(lambda: x @ y, iters=10)
     save(args.out, "machine", {"copy_GBps": bw / 1e9, "bf16_matmul_TFLOPs": 2 * m**3 / (ms_mm / 1e3) / 1e12})
-    del x, y
+    x = y = None
     save(args.out, "sdpa", sdpa_backends())
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpu_figures import cuda_ms, graph_ms  # noqa: E402  (scripts/ is on the path when run as a script)
+from gpu_figures import graph_ms  # noqa: E402  (scripts/ is on the path when run as a script)
 
 import kernels  # noqa: E402
 import quantize  # noqa: E402
@@ -82,7 +82,7 @@ def attention(out: dict, save):
         row["best"] = best
         rows.append(row)
         save("attention", rows)
-        del k, v, kd, vd
+        k = v = kd = vd = None                          # free the pool before the next shape
         torch.cuda.empty_cache()
     out["attention"] = rows
 

@@ -55,8 +55,10 @@ def config_fields(hf: dict) -> dict:
     archs = hf.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"config field architectures must be a list of strings, got {archs!r}")
-    # Mistral is Llama's architecture plus a sliding window (config field sliding_window): same tensors.
-    if hf.get("model_type") not in ("llama", "mistral") and not {"LlamaForCausalLM", "MistralForCausalLM"} & set(archs):
+    # Mistral is Llama's architecture plus a sliding window (config field sliding_window): same
+    # tensors.
+    if (hf.get("model_type") not in ("llama", "mistral")
+            and not {"LlamaForCausalLM", "MistralForCausalLM"} & set(archs)):
         raise ValueError(
             f"unsupported architecture: model_type={hf.get('model_type')!r}, "
             f"architectures={archs}; nanoinfer runs Llama-family checkpoints only (Llama, Mistral)")
@@ -68,7 +70,8 @@ def config_fields(hf: dict) -> dict:
     n_heads = _int_field(hf, "num_attention_heads")
     n_kv = _int_field(hf, "num_key_value_heads", n_heads, hi=n_heads)   # absent: plain MHA
     if n_heads % n_kv:
-        raise ValueError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}: "
+        raise ValueError(f"num_attention_heads={n_heads} is not a multiple of "
+                         f"num_key_value_heads={n_kv}: "
                          f"GQA needs every KV head shared by the same number of query heads")
     if hf.get("head_dim") is None and dim % n_heads:
         raise ValueError(f"hidden_size={dim} is not divisible by num_attention_heads={n_heads}; "
@@ -89,7 +92,8 @@ def config_fields(hf: dict) -> dict:
         attention_bias=_bool_field(hf, "attention_bias", False),
         bos_token_id=_token_ids(hf, "bos_token_id", vocab),
         eos_token_id=_token_ids(hf, "eos_token_id", vocab),
-        # Mistral's local attention: each query sees its last W positions (null or absent: all of them).
+        # Mistral's local attention: each query sees its last W positions
+        # (null or absent: all of them).
         # Models that interleave local and global layers (Gemma 2/3, gpt-oss) are not supported.
         sliding_window=_int_field(hf, "sliding_window", None),
     )
@@ -108,7 +112,8 @@ def _missing(name):
     return ValueError(f"config.json is missing the field {name!r}")
 
 
-def _int_field(d: dict, key: str, default=_REQUIRED, lo: int = 1, hi: int = 2**31 - 1, name=None) -> int:
+def _int_field(d: dict, key: str, default=_REQUIRED, lo: int = 1, hi: int = 2**31 - 1,
+               name=None) -> int:
     name, v = name or key, d.get(key)
     if v is None:                       # absent or null: the default, if the field has one
         if default is _REQUIRED:
@@ -121,7 +126,8 @@ def _int_field(d: dict, key: str, default=_REQUIRED, lo: int = 1, hi: int = 2**3
     return v
 
 
-def _float_field(d: dict, key: str, default, ok=lambda v: v > 0, rule: str = "> 0", name=None) -> float:
+def _float_field(d: dict, key: str, default, ok=lambda v: v > 0, rule: str = "> 0",
+                 name=None) -> float:
     name, v = name or key, d.get(key)
     if v is None:
         if default is _REQUIRED:
@@ -139,12 +145,14 @@ def _bool_field(d: dict, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):          # "false" is a non-empty string, i.e. truthy: refuse it
-        raise ValueError(f"config field {key} must be true or false, got {v!r} ({type(v).__name__})")
+        raise ValueError(f"config field {key} must be true or false, got {v!r} "
+                         f"({type(v).__name__})")
     return v
 
 
 def _token_ids(d: dict, key: str, vocab: int):
-    """bos/eos: null, one id, or a list of ids (Llama 3 Instruct stops on three), each in [0, vocab)."""
+    """bos/eos: null, one id, or a list of ids (Llama 3 Instruct stops on three), each in
+    [0, vocab)."""
     v = d.get(key)
     if v is None:
         return None
@@ -170,7 +178,8 @@ def _rope_settings(hf: dict):
     rope = hf.get(where) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"unsupported RoPE scaling {rope_type!r} in {where}: only 'llama3' is implemented")
+        raise ValueError(f"unsupported RoPE scaling {rope_type!r} in {where}: only 'llama3' is "
+                         f"implemented")
     if "rope_theta" in hf:
         theta = _float_field(hf, "rope_theta", 10000.0)
     else:
@@ -179,15 +188,19 @@ def _rope_settings(hf: dict):
         return theta, None
     scaling = {
         "rope_type": "llama3",
-        "factor": _float_field(rope, "factor", _REQUIRED, lambda v: v >= 1, ">= 1", name=f"{where}.factor"),
-        "low_freq_factor": _float_field(rope, "low_freq_factor", 1.0, name=f"{where}.low_freq_factor"),
-        "high_freq_factor": _float_field(rope, "high_freq_factor", 4.0, name=f"{where}.high_freq_factor"),
-        "original_max_position_embeddings": _int_field(rope, "original_max_position_embeddings",
-                                                       name=f"{where}.original_max_position_embeddings"),
+        "factor": _float_field(rope, "factor", _REQUIRED, lambda v: v >= 1, ">= 1",
+                               name=f"{where}.factor"),
+        "low_freq_factor": _float_field(rope, "low_freq_factor", 1.0,
+                                        name=f"{where}.low_freq_factor"),
+        "high_freq_factor": _float_field(rope, "high_freq_factor", 4.0,
+                                         name=f"{where}.high_freq_factor"),
+        "original_max_position_embeddings": _int_field(
+            rope, "original_max_position_embeddings",
+            name=f"{where}.original_max_position_embeddings"),
     }
     if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ValueError(f"config field {where}.high_freq_factor ({scaling['high_freq_factor']}) must be "
-                         f"greater than low_freq_factor ({scaling['low_freq_factor']})")
+        raise ValueError(f"config field {where}.high_freq_factor ({scaling['high_freq_factor']}) "
+                         f"must be greater than low_freq_factor ({scaling['low_freq_factor']})")
     return theta, scaling
 
 
@@ -239,9 +252,11 @@ def read_tensors(path, cfg, expected: dict, device="cpu", dtype=torch.float32) -
     _check_tensors(path, cfg, expected, found)
     tensors = {}
     for fname in files:
-        wanted = {key: short for short, (f, key, _, _) in found.items() if f == fname and short in expected}
+        wanted = {key: short for short, (f, key, _, _) in found.items()
+                  if f == fname and short in expected}
         if str(device) == "meta":
-            tensors.update({s: torch.empty(found[s][2], device="meta", dtype=dtype) for s in wanted.values()})
+            tensors.update({s: torch.empty(found[s][2], device="meta", dtype=dtype)
+                            for s in wanted.values()})
             continue
         for key, t in _read_safetensors(os.path.join(path, fname), wanted):
             tensors[wanted[key]] = t.to(device=device, dtype=dtype)   # one tensor at a time
@@ -249,7 +264,8 @@ def read_tensors(path, cfg, expected: dict, device="cpu", dtype=torch.float32) -
 
 
 def _weight_files(path: str) -> list[str]:
-    """The safetensors files: the shards model.safetensors.index.json lists, else every *.safetensors."""
+    """The safetensors files: the shards model.safetensors.index.json lists, else every
+    *.safetensors."""
     index_file = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_file):
         try:
@@ -284,13 +300,15 @@ def _scan_weights(path: str, files: list[str]) -> dict:
                     sl = f.get_slice(key)
                     short = key.removeprefix("model.")
                     if short in found:
-                        raise ValueError(f"tensor {short!r} appears twice in {path}: as {found[short][1]} "
-                                         f"in {found[short][0]} and as {key} in {fname}")
+                        raise ValueError(f"tensor {short!r} appears twice in {path}: as "
+                                         f"{found[short][1]} in {found[short][0]} and as {key} "
+                                         f"in {fname}")
                     found[short] = (fname, key, tuple(sl.get_shape()), sl.get_dtype())
         except ValueError:
             raise
-        except Exception as e:   # safetensors raises its own error type for bad headers / short files
-            raise ValueError(f"cannot read weights file {fpath} (truncated or corrupt?): {e}") from None
+        except Exception as e:  # safetensors raises its own error type on bad headers / short files
+            raise ValueError(f"cannot read weights file {fpath} (truncated or corrupt?): "
+                             f"{e}") from None
     return found
 
 
@@ -310,11 +328,13 @@ def _read_safetensors(fpath: str, keys):
 # layer; we recompute it from the config (rope_frequencies), which is what
 # transformers itself does today.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")      # safetensors' names; int8/fp8 need scales we do not read
+# safetensors' names; int8/fp8 need scales we do not read
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def _check_tensors(path: str, cfg, expected: dict, found: dict) -> None:
-    """Compare the checkpoint with what the config implies; raise ONE ValueError listing every difference.
+    """Compare the checkpoint with what the config implies; raise ONE ValueError listing
+    every difference.
 
     A stored lm_head.weight under tie_word_embeddings=true is accepted only
     if it equals embed_tokens.weight (some exporters write the shared matrix
@@ -341,7 +361,8 @@ def _check_tensors(path: str, cfg, expected: dict, found: dict) -> None:
                          ("not floating point (quantized checkpoints are not supported)", dtypes)):
         if items:
             n = 3 if title == "wrong shape" else 8      # a shape line is long; a name is short
-            shown = ", ".join(items[:n]) + (f", ... and {len(items) - n} more" if len(items) > n else "")
+            shown = ", ".join(items[:n]) + (f", ... and {len(items) - n} more"
+                                            if len(items) > n else "")
             lines.append(f"  {len(items)} {title}: {shown}")
     lines.append("  hint: " + _mismatch_hint(cfg, present, missing + unexpected, misshapen))
     raise ValueError("\n".join(lines))
@@ -349,7 +370,8 @@ def _check_tensors(path: str, cfg, expected: dict, found: dict) -> None:
 
 def _shape_fields(name: str) -> str:
     """Which config fields set a tensor's shape, for the error message."""
-    for part, fields in (("embed_tokens", "vocab_size, hidden_size"), ("lm_head", "vocab_size, hidden_size"),
+    for part, fields in (("embed_tokens", "vocab_size, hidden_size"),
+                         ("lm_head", "vocab_size, hidden_size"),
                          ("q_proj", "num_attention_heads * head_dim, hidden_size"),
                          ("k_proj", "num_key_value_heads * head_dim, hidden_size"),
                          ("v_proj", "num_key_value_heads * head_dim, hidden_size"),
@@ -372,13 +394,16 @@ def _mismatch_hint(cfg, present: dict, differing: list[str], misshapen: list[str
     hints = []
     layers = {int(m.group(1)) for k in present if (m := re.match(r"layers\.(\d+)\.", k))}
     if layers and layers != set(range(cfg.n_layers)):
-        hints.append(f"does num_hidden_layers match the checkpoint? config.json says {cfg.n_layers}, "
-                     f"the weights hold {len(layers)} layers (indices {min(layers)}..{max(layers)})")
+        hints.append(f"does num_hidden_layers match the checkpoint? config.json says "
+                     f"{cfg.n_layers}, the weights hold {len(layers)} layers "
+                     f"(indices {min(layers)}..{max(layers)})")
     if "lm_head.weight" in differing:
-        hints.append(f"is tie_word_embeddings ({str(cfg.tie_embeddings).lower()}) right? The weights' "
-                     f"lm_head.weight disagrees with it (absent, or different from embed_tokens.weight)")
+        hints.append(f"is tie_word_embeddings ({str(cfg.tie_embeddings).lower()}) right? "
+                     f"The weights' lm_head.weight disagrees with it (absent, or different from "
+                     f"embed_tokens.weight)")
     if any(k.endswith(".bias") for k in differing):
-        hints.append(f"does attention_bias ({str(cfg.attention_bias).lower()}) match the checkpoint?")
+        hints.append(f"does attention_bias ({str(cfg.attention_bias).lower()}) match the "
+                     f"checkpoint?")
     if misshapen:
         fields = sorted({f for k in misshapen for f in re.findall(r"[a-z_]+", _shape_fields(k))})
         hints.append(f"do {', '.join(fields)} in config.json match the shapes of the weights?")
@@ -416,7 +441,8 @@ def _llama3(hidden, ffn, layers, heads, head_dim, tied, rope_factor):
             "rope_theta": 500000.0,
             "rope_scaling": {"rope_type": "llama3", "factor": rope_factor, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            "tie_word_embeddings": tied, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": tied, "hidden_act": "silu", "attention_bias": False,
+            "mlp_bias": False,
             "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"}
 
 
@@ -427,24 +453,33 @@ PRESETS = {
                      "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
                      "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
                      "rope_theta": 100000.0, "tie_word_embeddings": True, "hidden_act": "silu",
-                     "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"},
+                     "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+                     "torch_dtype": "bfloat16"},
     # meta-llama/Llama-3.2-1B: 1,235,814,400 parameters (embeddings tied, counted once)
-    "llama-3.2-1b": _llama3(hidden=2048, ffn=8192, layers=16, heads=32, head_dim=64, tied=True, rope_factor=32.0),
+    "llama-3.2-1b": _llama3(hidden=2048, ffn=8192, layers=16, heads=32, head_dim=64, tied=True,
+                            rope_factor=32.0),
     # meta-llama/Llama-3.2-3B: 3,212,749,824
-    "llama-3.2-3b": _llama3(hidden=3072, ffn=8192, layers=28, heads=24, head_dim=128, tied=True, rope_factor=32.0),
+    "llama-3.2-3b": _llama3(hidden=3072, ffn=8192, layers=28, heads=24, head_dim=128, tied=True,
+                            rope_factor=32.0),
     # meta-llama/Llama-3.1-8B: 8,030,261,248
-    "llama-3.1-8b": _llama3(hidden=4096, ffn=14336, layers=32, heads=32, head_dim=128, tied=False, rope_factor=8.0),
-    # meta-llama/Llama-3.1-70B: 70,553,706,496 (141 GB in bf16: the meta device, or tensor parallelism)
-    "llama-3.1-70b": _llama3(hidden=8192, ffn=28672, layers=80, heads=64, head_dim=128, tied=False, rope_factor=8.0),
+    "llama-3.1-8b": _llama3(hidden=4096, ffn=14336, layers=32, heads=32, head_dim=128,
+                            tied=False, rope_factor=8.0),
+    # meta-llama/Llama-3.1-70B: 70,553,706,496 (141 GB in bf16: the meta device, or tensor
+    # parallelism)
+    "llama-3.1-70b": _llama3(hidden=8192, ffn=28672, layers=80, heads=64, head_dim=128,
+                             tied=False, rope_factor=8.0),
     # NOT a published model: SmolLM2's vocabulary (and tokenizer) on a 2-layer,
     # 64-wide body. Its forward pass is nearly free, so an engine step on it is
     # the engine's own work (bench.py's overhead experiment).
-    "smollm2-tiny": {**_llama3(hidden=64, ffn=128, layers=2, heads=4, head_dim=16, tied=True, rope_factor=8.0),
+    "smollm2-tiny": {**_llama3(hidden=64, ffn=128, layers=2, heads=4, head_dim=16, tied=True,
+                               rope_factor=8.0),
                      "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 8192,
-                     "rope_theta": 100000.0, "rope_scaling": None, "bos_token_id": 1, "eos_token_id": 2},
+                     "rope_theta": 100000.0, "rope_scaling": None, "bos_token_id": 1,
+                     "eos_token_id": 2},
     # NOT a published model: Llama 3's vocabulary and RoPE on a 2-layer, 64-wide
     # body, for fast CPU tests of the engine with ids beyond the tokenizer's vocabulary.
-    "tiny": {**_llama3(hidden=64, ffn=128, layers=2, heads=4, head_dim=16, tied=False, rope_factor=8.0),
+    "tiny": {**_llama3(hidden=64, ffn=128, layers=2, heads=4, head_dim=16, tied=False,
+                       rope_factor=8.0),
              "num_key_value_heads": 2, "max_position_embeddings": 4096},
 }
 
@@ -452,10 +487,12 @@ PRESETS = {
 # Options of a preset, each at most once, in any order: the seed of the random weights, and
 # overrides of its config.json (validated by config_fields like any checkpoint's):
 #   kv_heads=N        -> num_key_value_heads: MHA (N = heads), GQA, MQA (N = 1) on the same body.
-#                        Every other tensor is unchanged for a given seed; k_proj and v_proj take the
-#                        new shape [N * head_dim, hidden], drawn from their usual per-name seed and scale.
+#                        Every other tensor is unchanged for a given seed; k_proj and v_proj take
+#                        the new shape [N * head_dim, hidden], drawn from their usual per-name
+#                        seed and scale.
 #   sliding_window=W  -> sliding_window (Mistral's): each query sees its last W positions.
-PRESET_OPTIONS = {"seed": None, "kv_heads": "num_key_value_heads", "sliding_window": "sliding_window"}
+PRESET_OPTIONS = {"seed": None, "kv_heads": "num_key_value_heads",
+                  "sliding_window": "sliding_window"}
 
 
 def parse_random_path(path: str) -> tuple[str, int, dict]:
@@ -469,17 +506,20 @@ def parse_random_path(path: str) -> tuple[str, int, dict]:
     for option in options:
         m = re.fullmatch(r"([a-z_]+)=(\d{1,19})", option)
         if m is None or m.group(1) not in PRESET_OPTIONS or m.group(1) in values:
-            raise ValueError(f"bad option {option!r} in {path!r}: expected random:{name}[:seed=N][:kv_heads=N]"
-                             f"[:sliding_window=W], each at most once, with non-negative integers")
+            raise ValueError(f"bad option {option!r} in {path!r}: expected "
+                             f"random:{name}[:seed=N][:kv_heads=N][:sliding_window=W], each at "
+                             f"most once, with non-negative integers")
         values[m.group(1)] = int(m.group(2))
     seed = values.pop("seed", 0)
     if seed >= 2**63:
-        raise ValueError(f"bad option seed={seed} in {path!r}: expected seed=N with N an integer in [0, 2^63)")
+        raise ValueError(f"bad option seed={seed} in {path!r}: expected seed=N with N an integer "
+                         f"in [0, 2^63)")
     return name, seed, {PRESET_OPTIONS[k]: v for k, v in values.items()}
 
 
 def preset_config(path: str) -> dict:
-    """The Hugging Face config.json dict of a "random:" path: its preset with the options' overrides."""
+    """The Hugging Face config.json dict of a "random:" path: its preset with the options'
+    overrides."""
     name, _, overrides = parse_random_path(path)
     return {**PRESETS[name], **overrides}
 
@@ -561,7 +601,8 @@ def read_tokenizer_files(path, gpt2_pattern: str, digits_then_gpt2_pattern: str)
         data = json.load(f)
     model = data.get("model", {})
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        raise ValueError(f"{tj}: only byte-level BPE tokenizers are supported, got {model.get('type')!r}")
+        raise ValueError(f"{tj}: only byte-level BPE tokenizers are supported, "
+                         f"got {model.get('type')!r}")
     cfg = {}
     cfg_file = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(cfg_file):
@@ -570,8 +611,10 @@ def read_tokenizer_files(path, gpt2_pattern: str, digits_then_gpt2_pattern: str)
 
     def name(t):   # tokenizer_config stores a token as a string or as {"content": ...}
         return t.get("content") if isinstance(t, dict) else t
-    return dict(vocab=model["vocab"], specials={t["content"]: t["id"] for t in data.get("added_tokens", [])},
-                pattern=_pattern_from(data.get("pre_tokenizer"), gpt2_pattern, digits_then_gpt2_pattern),
+    return dict(vocab=model["vocab"],
+                specials={t["content"]: t["id"] for t in data.get("added_tokens", [])},
+                pattern=_pattern_from(data.get("pre_tokenizer"), gpt2_pattern,
+                                      digits_then_gpt2_pattern),
                 eos_token=name(cfg.get("eos_token")), bos_token=name(cfg.get("bos_token")),
                 chat_template=cfg.get("chat_template"))
 
@@ -582,7 +625,8 @@ def _pattern_from(pre_tokenizer: dict | None, gpt2: str, digits_then_gpt2: str) 
     kinds = [s["type"] for s in steps]
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
         return gpt2
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+    if (kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits")
+            and steps[1].get("use_regex", True)):
         return digits_then_gpt2
     if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
         return steps[0]["pattern"]["Regex"]   # e.g. Llama 3 ships its regex explicitly

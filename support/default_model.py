@@ -42,7 +42,8 @@ LOCK_FILE = ".convert.lock"    # held (flock) by the one process converting into
 
 def cache_dir() -> str:
     """$NANOINFER_CACHE, else ~/.cache/nanoinfer."""
-    return os.environ.get("NANOINFER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nanoinfer")
+    return (os.environ.get("NANOINFER_CACHE")
+            or os.path.join(os.path.expanduser("~"), ".cache", "nanoinfer"))
 
 
 def default_model_path() -> str:
@@ -87,16 +88,18 @@ def _cache_error(root: str, e: OSError) -> OSError:
     """Say which folder could not be written and how to choose another (same exception type)."""
     where = f": {e.filename}" if e.filename else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return type(e)(e.errno, f"no space left in the model cache folder {root} (the converted default "
-                                f"model takes about 550 MB); free some, or set NANOINFER_CACHE to another folder")
-    if e.filename is not None:      # about the cache folder, a file in it, or a parent makedirs made?
+        return type(e)(e.errno, f"no space left in the model cache folder {root} (the converted "
+                                f"default model takes about 550 MB); free some, or set "
+                                f"NANOINFER_CACHE to another folder")
+    if e.filename is not None:    # about the cache folder, a file in it, or a parent makedirs made?
         f, r = os.path.abspath(os.fsdecode(e.filename)), os.path.abspath(root)
         about_cache = os.path.commonpath([f, r]) in (f, r)
     else:
         about_cache = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR)
     if about_cache:
-        return type(e)(e.errno, f"cannot write the model cache folder {root} ({e.strerror}{where}); "
-                                f"set NANOINFER_CACHE to a writable folder, e.g. NANOINFER_CACHE=/tmp/nanoinfer")
+        return type(e)(e.errno, f"cannot write the model cache folder {root} "
+                                f"({e.strerror}{where}); set NANOINFER_CACHE to a writable "
+                                f"folder, e.g. NANOINFER_CACHE=/tmp/nanoinfer")
     return e                  # not about the cache (e.g. the GGUF file): as it is
 
 
@@ -125,7 +128,7 @@ def _conversion_lock(root: str, wait: bool):
     except PermissionError:
         if not os.path.isfile(lock):          # a folder we may not write in: the caller says so
             raise
-        fd = os.open(lock, os.O_RDONLY)       # someone else's lock file: flock needs no write access
+        fd = os.open(lock, os.O_RDONLY)      # someone else's lock file: flock needs no write access
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -133,8 +136,8 @@ def _conversion_lock(root: str, wait: bool):
         except BlockingIOError:
             locked = False
         if not locked and wait:
-            print(f"nanoinfer: waiting for another process converting the default model into {root}",
-                  file=sys.stderr, flush=True)
+            print(f"nanoinfer: waiting for another process converting the default model into "
+                  f"{root}", file=sys.stderr, flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
             locked = True
         yield locked
@@ -245,8 +248,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         "rms_norm_eps": float(f"{meta[f'{arch}.attention.layer_norm_rms_epsilon']:.6g}"),
         "rope_theta": float(meta[f"{arch}.rope.freq_base"]),
         "max_position_embeddings": meta[f"{arch}.context_length"], "vocab_size": len(tokens),
-        "tie_word_embeddings": "lm_head.weight" not in tensors, "hidden_act": "silu", "attention_bias": False,
-        "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32",
+        "tie_word_embeddings": "lm_head.weight" not in tensors, "hidden_act": "silu",
+        "attention_bias": False, "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32",
     }
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -258,7 +261,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
 
 # llama.cpp's tensor names -> Hugging Face's
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
               "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
               "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
@@ -277,8 +281,10 @@ def _gguf_weights(r, n_heads: int, n_kv: int, head_dim: int) -> dict:
         parts = t.name.split(".")          # "blk.3.attn_q.weight" or "token_embd.weight"
         kind = parts[2] if parts[0] == "blk" else parts[0]
         if kind not in GGUF_NAMES:
-            raise ValueError(f"GGUF tensor {t.name!r} has no Llama counterpart this converter knows")
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # copy: gguf's is read-only
+            raise ValueError(f"GGUF tensor {t.name!r} has no Llama counterpart this converter "
+                             f"knows")
+        # copy: gguf's is read-only
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if kind == "attn_q":
             w = unpermute(w, n_heads)
         elif kind == "attn_k":
@@ -298,7 +304,8 @@ def _write_tokenizer(r, meta: dict, out_dir: str) -> None:
     tok = r.fields
     tokens = tok["tokenizer.ggml.tokens"].contents()
     types = tok["tokenizer.ggml.token_type"].contents()
-    eos, bos = tok["tokenizer.ggml.eos_token_id"].contents(), tok["tokenizer.ggml.bos_token_id"].contents()
+    eos = tok["tokenizer.ggml.eos_token_id"].contents()
+    bos = tok["tokenizer.ggml.bos_token_id"].contents()
     special = [i for i, ty in enumerate(types) if ty == 3]   # 3 = control token
     tokenizer = {
         "version": "1.0",
@@ -307,10 +314,13 @@ def _write_tokenizer(r, meta: dict, out_dir: str) -> None:
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": True},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+             "use_regex": True}]},
         "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                   "vocab": {t: i for i, t in enumerate(tokens)},
                   "merges": [m.split(" ") for m in tok["tokenizer.ggml.merges"].contents()]},

@@ -81,7 +81,7 @@ def choose_weight_layout(model: nn.Module) -> str:
         return "default"
     w = max(linears, key=lambda m: m.weight.numel()).weight.detach()
     x, sync = torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype), device_sync(w.device)
-    w_in_out = w.t().contiguous().t()                              # [out, in] values, stored [in, out]
+    w_in_out = w.t().contiguous().t()                           # [out, in] values, stored [in, out]
     t_default = median_seconds(functools.partial(F.linear, x, w), sync=sync)
     t_transposed = median_seconds(functools.partial(F.linear, x, w_in_out), sync=sync)
     del w, w_in_out                                                # the timed copies: free them now

@@ -49,7 +49,8 @@ import torch.distributed as dist
 
 FOREVER = timedelta(days=3650)   # a worker waits for rank 0's next step as long as the engine idles
 SPEC_ENV, SYS_PATH_ENV = "NANOINFER_TP_SPEC", "NANOINFER_TP_SYS_PATH"
-TOUR_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the tour files sit beside support/
+# the tour files sit beside support/
+TOUR_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class TensorParallelError(RuntimeError):
@@ -81,7 +82,7 @@ class CollectiveCounters:
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         self.bytes += x.numel() * x.element_size()    # this rank's tensor (a ring all-reduce sends
-        return out                                    # 2 (N-1)/N of it, an all-gather (N-1) times it)
+        return out                                  # 2 (N-1)/N of it, an all-gather (N-1) times it)
 
 
 @dataclasses.dataclass
@@ -133,7 +134,8 @@ def init_groups(spec: WorkerSpec, rank: int, store):
     backend = "nccl" if spec.device_type == "cuda" else "gloo"
     timeout = timedelta(seconds=spec.collective_timeout_s)
     if store is not None:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=spec.world_size,
+                                timeout=timeout)
     elif not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
     return dist.new_group(backend="gloo", timeout=FOREVER)
@@ -161,10 +163,12 @@ def serve_worker(load, loop):
     its shard, report "ready" (or the traceback) through the store, join the
     process group and loop(model, device, dtype, commands) until rank 0 says stop."""
     spec, rank = WorkerSpec.from_json(os.environ[SPEC_ENV]), int(os.environ["RANK"])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole terminal; rank 0 decides
+    # Ctrl-C reaches the whole terminal; rank 0 decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), spec.world_size,
-                          is_master=False, timeout=timedelta(seconds=spec.collective_timeout_s))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          spec.world_size, is_master=False,
+                          timeout=timedelta(seconds=spec.collective_timeout_s))
     try:
         if spec.device_type == "cpu":              # N processes share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
@@ -176,7 +180,7 @@ def serve_worker(load, loop):
         try:                                       # relay the traceback; rank 0 quotes it
             store.set(f"error/{rank}", traceback.format_exc())
         except Exception:
-            pass                                   # rank 0 (the store's host) is gone: nobody to tell
+            pass                                 # rank 0 (the store's host) is gone: nobody to tell
         raise
 
 
@@ -213,16 +217,18 @@ class WorkerGroup:
             self.model = self._join_torchrun(load, loop)
             return
         if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialized in this process (is another "
-                               "TensorParallelGroup still open? close() it first)")
+            raise RuntimeError("torch.distributed is already initialized in this process (is "
+                               "another TensorParallelGroup still open? close() it first)")
         # The rendezvous store lives in this process; port 0 = any free port.
-        self.store = dist.TCPStore("127.0.0.1", 0, spec.world_size, is_master=True, wait_for_workers=False,
+        self.store = dist.TCPStore("127.0.0.1", 0, spec.world_size, is_master=True,
+                                   wait_for_workers=False,
                                    timeout=timedelta(seconds=spec.collective_timeout_s))
         atexit.register(self.close)
         try:
             self._start(entry)
             self.device = device_for(spec.device_type, 0)
-            self.model = load(spec.path, 0, spec.world_size, self.device, spec.dtype, spec.quantization)
+            self.model = load(spec.path, 0, spec.world_size, self.device, spec.dtype,
+                              spec.quantization)
             self._wait_ready(startup_timeout_s)                       # they loaded while rank 0 did
             self.commands = init_groups(spec, 0, self.store)
         except BaseException:
@@ -230,18 +236,21 @@ class WorkerGroup:
             raise
 
     def _start(self, entry: str):
-        sys_path = [str(p) or os.getcwd() for p in sys.path] + [TOUR_ROOT]   # '' (-c, stdin): the cwd
+        # '' (-c, stdin): the cwd
+        sys_path = [str(p) or os.getcwd() for p in sys.path] + [TOUR_ROOT]
         env = {**os.environ, SPEC_ENV: self.spec.to_json(), SYS_PATH_ENV: json.dumps(sys_path),
                "WORLD_SIZE": str(self.spec.world_size), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(self.store.port)}
         for rank in range(1, self.spec.world_size):
             self.procs.append(subprocess.Popen(worker_command(entry), stdin=subprocess.DEVNULL,
-                                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+                                               env={**env, "RANK": str(rank),
+                                                    "LOCAL_RANK": str(rank)}))
 
     def _join_torchrun(self, load, loop):
         """Under torchrun: join the existing group; ranks other than 0 serve and exit."""
         spec = self.spec
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+        rank = int(os.environ["RANK"])
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
         if int(os.environ["WORLD_SIZE"]) != spec.world_size:
             raise ValueError(f"tensor_parallel_size={spec.world_size} but torchrun started "
                              f"WORLD_SIZE={os.environ['WORLD_SIZE']} processes")
@@ -260,7 +269,8 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout_s
         while not self.store.check([f"ready/{r}" for r in range(1, self.spec.world_size)]):
             if any(p.poll() is not None for p in self.procs):
-                raise TensorParallelError(f"a tensor-parallel worker failed to start; {self.describe()}")
+                raise TensorParallelError(f"a tensor-parallel worker failed to start; "
+                                          f"{self.describe()}")
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"tensor-parallel workers not ready after {timeout_s} s; "
                                           f"{self.describe()}")
@@ -320,7 +330,8 @@ class WorkerGroup:
             return
         self.closed = True
         atexit.unregister(self.close)
-        told = self.commands is not None and self.broken is None   # else they may be stuck, or still loading
+        # else they may be stuck, or still loading
+        told = self.commands is not None and self.broken is None
         if told:
             try:
                 dist.broadcast_object_list([("stop",)], src=0, group=self.commands)

@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,3 +62,23 @@ def save_checkpoint(model, directory, tokenizer_from=None):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(src, name), directory)
     return str(directory)
+
+
+def assert_no_leak(llm):
+    """Every KV block back in the free list, the pool consistent, nothing left running."""
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks leaked"
+    bm.check_invariants()
+    assert not llm.scheduler.running and not llm.scheduler.waiting and not llm.requests
+
+
+def assert_dense_prompt_logprobs(model, ids, got, k):
+    logits = model(torch.tensor(ids), torch.arange(len(ids))).float()                 # [L, V], dense, no ctx
+    ref, tol = torch.log_softmax(logits, dim=-1), 1e-5 + 1e-6 * torch.logsumexp(logits, dim=-1).abs()
+    assert got is not None and len(got) == len(ids) and got[0] is None, "one entry per prompt token, the first None"
+    for i in range(1, len(ids)):
+        lp, top = got[i]
+        assert lp == pytest.approx(ref[i - 1, ids[i]].item(), abs=tol[i - 1].item()), f"prompt position {i}"
+        values, indices = ref[i - 1].topk(k)
+        assert list(top) == indices.tolist(), f"prompt position {i}: the top-{k} ids"
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=tol[i - 1].item())

@@ -39,7 +39,7 @@ from helpers import ROOT, save_checkpoint, tiny_model
 import bench
 import kernels
 import experiments
-from experiments import EXPERIMENTS, PLOTS, check, common, plan
+from experiments import EXPERIMENTS, PLOTS, check, common, peer, plan
 from experiments.common import Scale, eval_text
 from experiments.quantization import perplexity
 from model import default_model_path, model_flops_per_token
@@ -283,7 +283,7 @@ def test_peer(results):
     try:
         import transformers  # noqa: F401
     except ImportError:
-        assert r["skipped"] == "transformers is not installed"
+        assert r["skipped"] == peer.SKIPPED
         pytest.skip("peer: transformers is not installed, so nanoinfer was not compared with it")
     assert "skipped" not in r, r["skipped"]
     _, lengths = quick_workload(49152)
@@ -735,7 +735,7 @@ def test_old_results_files_still_load_and_re_plot(tmp_path):
     drawn = 0
     for name in sorted(os.listdir(folder)):
         if name.endswith(".json"):
-            results = bench.load_results(os.path.join(folder, name))
+            results = common.load_results(os.path.join(folder, name))
             for exp, r in results.items():
                 if exp in PLOTS and "error" not in r and "skipped" not in r:
                     path = experiments.write_plot(exp, r, str(tmp_path / name))
@@ -856,7 +856,7 @@ def test_check_dry_run_on_cpu_saves_each_verdict_as_it_ends(tmp_path, capsys, mo
     """`bench.py --check --device cpu`: the GPU self-check's table, every path with a verdict; what
     needs CUDA is skipped, the int8 paths run and pass; the JSON holds the verdicts so far after each."""
     out, seen = tmp_path / "check.json", []
-    save = bench.save_results
+    save = common.save_results
     monkeypatch.setattr(bench, "save_results", lambda path, r: (save(path, r), seen.append(len(r["check"]["checks"]))))
     results = bench.main(["--check", "--device", "cpu", "--model", "random:smollm2-tiny", "--json", str(out)])
     checks = json.loads(out.read_text())["check"]["checks"]

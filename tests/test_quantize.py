@@ -231,6 +231,7 @@ def test_engine_with_int8_kv_cache_on_real_model(real_path):
         LLM(real_path, device="cpu", kv_cache_dtype="fp8")
 
 
+@pytest.mark.timeout(300)      # the real model's perplexity twice, and greedy runs (~12 s alone)
 @pytest.mark.assignment("int8")
 @pytest.mark.needs("model")
 def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, real_path):
