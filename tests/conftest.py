@@ -187,10 +187,10 @@ def pytest_sessionfinish(session):
 
 # ----------------------------------------------------------------------------
 # The watchdog: a hang is a failure (pytest-timeout)
-# Every test runs under pytest-timeout: `timeout` in pytest.ini (120 s, setup
+# Every test runs under pytest-timeout: `timeout` in pytest.ini (300 s, setup
 # included), or the test's own @pytest.mark.timeout(N), written on the slow
 # tests themselves. Method "signal": at the limit the test FAILS with
-# "Timeout (>120.0s) from pytest-timeout" and the stacks of every thread, and
+# "Timeout (>300.0s) from pytest-timeout" and the stacks of every thread, and
 # the run goes on. So a bug that stops the engine from making progress fails
 # its test instead of freezing the suite. The one thing pytest-timeout cannot
 # do is insist on being installed: without it, pytest ignores `timeout`.

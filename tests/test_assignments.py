@@ -111,7 +111,7 @@ def test_student_version_holds_no_solution(student):
     assert code == 0 and len(listed.splitlines()) == len(ASSIGNMENTS), "the tool still works there"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_student_version_collects_with_the_same_markers(student, tmp_path):
     out, _ = student
     code, text, results = pytest_in(out, tmp_path / "report.json", "--collect-only", "-q")

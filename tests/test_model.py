@@ -823,7 +823,7 @@ def test_llama3_vocabulary_preset_generates_ids_beyond_the_tokenizer(real_tokeni
 
 # ------------------------------------------------- GGUF conversion, run for real even on a warm cache
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("model", "bpe")
 def test_real_gguf_conversion_matches_transformers(tmp_path, monkeypatch):
     """Convert the embedded GGUF into an empty cache (the one real conversion

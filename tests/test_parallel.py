@@ -377,7 +377,7 @@ def _pool_shapes(model, cache):
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.assignment("tensor-parallel")
 @pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "block-allocation")
 def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real_tokenizer):
@@ -403,7 +403,7 @@ def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real
 
 # ------------------------------------------------------------ through the engine
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.assignment("tensor-parallel")
 @pytest.mark.needs("engine", "sampler", "copy-on-write")
 def test_engine_n2_equals_n1_batched_chunked_preempted(tiny_dir):
@@ -445,7 +445,7 @@ print(json.dumps({{"tokens": [o.token_ids for o in outs], "pids": llm.tp.pids}})
 """
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("how", ["file", "stdin"])
 @pytest.mark.needs("tensor-parallel", "engine")
 def test_unguarded_script_runs_tensor_parallel(tiny_dir, tmp_path, how):

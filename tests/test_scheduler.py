@@ -53,7 +53,7 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
 # ------------------------------------------------------ exactness on the real model
 
-@pytest.mark.timeout(300)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
+@pytest.mark.timeout(600)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
 @pytest.mark.assignment("scheduler-step")
 @pytest.mark.needs("engine", "model")
 def test_batch_equals_dense_one_by_one(real_llm, dense_reference):
@@ -64,7 +64,7 @@ def test_batch_equals_dense_one_by_one(real_llm, dense_reference):
     assert_no_leak(real_llm)
 
 
-@pytest.mark.timeout(300)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
+@pytest.mark.timeout(600)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
 @pytest.mark.assignment("scheduler-step")
 @pytest.mark.needs("engine", "model")
 def test_exact_under_preemption(real_path, dense_reference):
@@ -93,7 +93,7 @@ def test_exact_under_many_preemptions(tiny_path, prefix_caching):
     assert_no_leak(llm)
 
 
-@pytest.mark.timeout(300)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
+@pytest.mark.timeout(600)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
 @pytest.mark.assignment("scheduler-step")
 @pytest.mark.needs("engine", "model")
 def test_exact_with_tiny_prefill_chunks(real_path, dense_reference):
@@ -119,7 +119,7 @@ def run_twice(path, dense_reference, prefix_caching: bool) -> int:
     return sum(o.metrics.cached_tokens for o in again)
 
 
-@pytest.mark.timeout(300)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
+@pytest.mark.timeout(600)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
 @pytest.mark.assignment("prefix-caching")
 @pytest.mark.needs("engine", "model")
 def test_exact_with_prefix_caching(real_path, dense_reference):
@@ -129,7 +129,7 @@ def test_exact_with_prefix_caching(real_path, dense_reference):
 
 # Without prefix caching the engine never reaches that code: this run grades nothing
 # of prefix-caching (it passes whatever the assignment holds), so it only needs it.
-@pytest.mark.timeout(300)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
+@pytest.mark.timeout(600)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
 @pytest.mark.needs("engine", "model", "prefix-caching")
 def test_exact_without_prefix_caching(real_path, dense_reference):
     assert run_twice(real_path, dense_reference, prefix_caching=False) == 0

@@ -219,7 +219,7 @@ def assert_no_leak(llm):
         assert llm.drafter.bm.num_free_blocks == llm.drafter.bm.num_blocks, "draft cache leaked"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.assignment("ngram-drafter")
 @pytest.mark.needs("engine")
 def test_ngram_greedy_is_exact_and_accepts_copies(real_path, plain_outputs):
@@ -232,7 +232,7 @@ def test_ngram_greedy_is_exact_and_accepts_copies(real_path, plain_outputs):
     assert_no_leak(llm)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.assignment("ngram-drafter")
 @pytest.mark.needs("engine")
 def test_ngram_greedy_is_exact_under_preemption(real_path, plain_outputs):
@@ -244,7 +244,7 @@ def test_ngram_greedy_is_exact_under_preemption(real_path, plain_outputs):
     assert_no_leak(llm)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("engine", "sampler")
 def test_target_as_its_own_draft_accepts_everything(real_path, plain_outputs):
     llm = LLM(real_path, kv_cache_bytes=64 << 20, speculative=real_path, num_speculative_tokens=3)
@@ -261,7 +261,7 @@ def bad_draft_path(tmp_path_factory, real_path):
                            tmp_path_factory.mktemp("bad_draft"), tokenizer_from=real_path)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.needs("engine", "sampler")
 def test_bad_draft_model_is_exact_and_rolls_back(real_path, plain_outputs, bad_draft_path):
     llm = LLM(real_path, kv_cache_bytes=64 << 20, speculative=bad_draft_path, num_speculative_tokens=3)
