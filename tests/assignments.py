@@ -153,11 +153,11 @@ ASSIGNMENTS = {
         "column-parallel keeps rank r's output rows, row-parallel its input columns and all-reduces before "
         "adding the bias once; the vocab-parallel embedding zeroes other ranks' ids and all-reduces"),
     "sse-stream": Assignment(
-        "11. serving (serve.py): streaming",
+        "12. serving (serve.py): streaming",
         "server-sent events: a 200 text/event-stream response, one data: chunk per delta (chat names the "
         "role first), a last chunk with usage, then data: [DONE]"),
     "roofline": Assignment(
-        "3 and 12. the roofline, counted (model.py)",
+        "3 and 13. the roofline, counted (model.py)",
         "FLOPs per token: 2 per weight of every matmul (q, k, v, o, gate, up, down, the LM head) plus "
         "attention's QK^T and PV over the context"),
 }
