@@ -9,7 +9,7 @@ To pass, implement:
     unknown method and an already quantized model; decode_weight_bytes shows
     a quarter of float32's bytes;
   * on CUDA (given) Int8Linear multiplies through a Triton kernel that converts each int8 byte
-    in registers (quantize.int8_matmul); it equals x @ dequantized(w)^T, here through Triton's
+    in registers (kernels.int8_matmul); it equals x @ dequantized(w)^T, here through Triton's
     interpreter when triton is installed;
   * Int8KVCache: quantize on write, dequantize in blocks(); paged attention
     over it stays close to the float cache;
@@ -132,7 +132,7 @@ def test_int8_linear_compiled_equals_linear_on_dequantized_weight(tmp_path, monk
 
 @pytest.mark.needs("int8")
 def test_triton_int8_matmul_equals_dequantized_product():
-    """quantize.int8_matmul's kernel (tests/triton_check.py): 1-64 rows, both operand orders, ragged
+    """kernels.int8_matmul's kernel (tests/triton_check.py): 1-64 rows, both operand orders, ragged
     N and K, equal to x @ dequantized(w)^T in float32. On CUDA, else in Triton's interpreter, else skipped."""
     from triton_check import run
     failures = run("int8_matmul")
@@ -158,7 +158,7 @@ def test_quantize_model_swaps_every_linear_and_quarters_the_bytes():
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(model, "int8")
     with pytest.raises(ValueError, match="unknown quantization"):
-        quantize_model(tiny_model(), "int4")
+        quantize_model(tiny_model(), "int3")
 
 
 @pytest.mark.assignment("int8")
