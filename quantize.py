@@ -11,10 +11,8 @@ and halving the bytes per value halves the step. Four formats, each a drop-in nn
   * int8 weight-only (Int8Linear): integers and one float scale per output row (absmax)
         scale[o] = max_i |W[o, i]| / 127        q[o, i] = round(W[o, i] / scale[o])
         y[o]     = sum_i x[i] * W[o, i]  ~=  scale[o] * sum_i x[i] * q[o, i]
-    the scale factors out of the sum. Each weight errs by <= scale / 2: an outlier weight
-    coarsens its row.
-  * fp8 e4m3 (Fp8Linear): the same per-row scale, but the values are floats with 3
-    mantissa bits: a relative error (<= 1/16), not an absolute one.
+    (the scale factors out of the sum); each weight errs by <= scale / 2.
+  * fp8 e4m3 (Fp8Linear): per-row scales, float values (3 mantissa bits: a relative error).
   * int4 group-wise (Int4Linear): two weights per byte. 16 levels are too few for a whole
     row, so each GROUP of inputs has its own scale and zero point: ~0.13x float32's bytes.
   * LLM.int8() (LLMInt8Linear): int8 weights AND int8 activations, int8 x int8 -> int32.
@@ -82,10 +80,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x):
-        if torch.compiler.is_compiling() and x.numel() <= FUSED_ROWS * self.in_features:
-            y = self._fused(x)
-        else:
-            y = F.linear(x, self.dequantized(x.dtype))
+        few = torch.compiler.is_compiling() and x.numel() <= FUSED_ROWS * self.in_features
+        y = self._fused(x) if few else F.linear(x, self.dequantized(x.dtype))
         return y if self.bias is None else y + self.bias
 
     def _fused(self, x):  # pragma: no cover (compiled code only: see the docstring's last line)
@@ -96,7 +92,7 @@ class QuantLinear(nn.Module):
         BLAS blocking). Eagerly it would materialize [out, rows, in]: compiled code only."""
         rows = x.reshape(-1, self.in_features)                                       # [R, in]
         y = (self.dequantized(x.dtype)[:, None, :] * rows[None, :, :]).sum(-1)        # [out, R]
-        return y.t().reshape(*x.shape[:-1], self.out_features)
+        return y.t().view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
@@ -262,6 +258,7 @@ class LLMInt8Linear(QuantLinear):
 
 # --- AWQ: scale the channels that carry large activations up before int4 -----------------
 AWQ_GRID = 20    # alpha in 0, 0.05, ..., 0.95 (the paper's grid)
+AWQ_ROWS = 256   # output rows the search errs on (evenly spaced): a sample, for a CPU's speed
 
 
 def awq_search(x: torch.Tensor, weight: torch.Tensor, group: int):
@@ -288,15 +285,19 @@ def awq_search(x: torch.Tensor, weight: torch.Tensor, group: int):
 @torch.no_grad()
 def awq_scale(model: nn.Module, calibration: list[int]) -> list[float]:
     """Fold AWQ's scales into the float `model`, the same function: per group of linears that
-    read one input (seen in one forward pass over the calibration token ids), W[:, i] *= s_i
-    and its producer (RMSNorm weight, or up_proj's row i for down_proj) /= s_i. Not o_proj:
-    under GQA its input channels are V's rows, shared by query heads. Returns the alphas."""
+    read one input (seen in one forward pass over the calibration token ids: q/k/v, gate/up,
+    down, the LM head), W[:, i] *= s_i and its producer (an RMSNorm's weight, or up_proj's row
+    i for down_proj; model.py's MLP has no bias) /= s_i. Not o_proj: under GQA its input
+    channels are V's rows, shared by query heads. Returns the alphas."""
     groups = []                                            # (producer, [linears reading it])
     for blk in model.layers:
         a, m = blk.self_attn, blk.mlp
         groups += [(blk.input_layernorm, [a.q_proj, a.k_proj, a.v_proj]),
                    (blk.post_attention_layernorm, [m.gate_proj, m.up_proj]),
                    (m.up_proj, [m.down_proj])]
+    if model.lm_head.weight is model.embed_tokens.weight:   # tied: the head scales a copy
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.clone(), requires_grad=False)
+    groups.append((model.norm, [model.lm_head]))
     seen, ids = {}, torch.tensor(calibration, device=next(model.parameters()).device)
     hooks = [ls[0].register_forward_pre_hook(lambda mod, args: seen.__setitem__(mod, args[0]))
              for _, ls in groups]
@@ -306,11 +307,10 @@ def awq_scale(model: nn.Module, calibration: list[int]) -> list[float]:
     alphas = []
     for producer, linears in groups:
         x = seen[linears[0]].reshape(-1, linears[0].in_features)                  # [T, K]
-        s, alpha = awq_search(x, torch.cat([lin.weight for lin in linears]),
-                              int4_group(linears[0].in_features))
+        w = torch.cat([lin.weight for lin in linears])                             # [N, K]
+        s, alpha = awq_search(x, w[::max(1, len(w) // AWQ_ROWS)], int4_group(w.shape[1]))
         for lin in linears:
             lin.weight.mul_(s.to(lin.weight.dtype))
-        # an RMSNorm's weight [K], or up_proj's rows [K, in] (model.py's MLP has no bias)
         producer.weight.div_((s[:, None] if producer.weight.dim() == 2 else s).to(x.dtype))
         alphas.append(alpha)
     return alphas
