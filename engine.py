@@ -440,8 +440,8 @@ def load_engine_model(c: EngineConfig):
     else:
         model, config = load_model(c.path, device=c.device, dtype=c.dtype)
         if c.quantization is not None:     # int8 weights: a quarter of fp32's bytes per step
-            quantize_model(model, c.quantization,
-                           calibration_ids(c.path) if c.quantization == "awq" else None)
+            quantize_model(model, c.quantization, None if c.quantization != "awq" else
+                           calibration_ids(Tokenizer.from_pretrained(tokenizer_path(c.path))))
     if config.random_seed is not None:
         print(f"nanoinfer: {c.path}: RANDOM weights (published shapes, seed "
               f"{config.random_seed}): timings are real, the text is noise")

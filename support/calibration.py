@@ -15,9 +15,6 @@ def calibration_text() -> str:
         return f.read()
 
 
-def calibration_ids(path: str, tokens: int = CALIBRATION_TOKENS) -> list[int]:
-    """The first `tokens` token ids of the calibration text, by the tokenizer of the model at
-    `path`."""
-    from support.checkpoint import tokenizer_path
-    from tokenizer import Tokenizer
-    return Tokenizer.from_pretrained(tokenizer_path(path)).encode(calibration_text())[:tokens]
+def calibration_ids(tokenizer, tokens: int = CALIBRATION_TOKENS) -> list[int]:
+    """The first `tokens` token ids of the calibration text, by `tokenizer` (the model's)."""
+    return tokenizer.encode(calibration_text())[:tokens]

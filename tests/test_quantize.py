@@ -534,7 +534,7 @@ def test_real_model_int4_bytes_and_awq_perplexity(real_model, real_tokenizer, re
     ppl = {"float": perplexity(real_model, ids)}
     for method in ("int4", "awq"):
         model = quantize_model(load_model(real_path, dtype=torch.float32)[0], method,
-                               calibration_ids(real_path) if method == "awq" else None)
+                               calibration_ids(real_tokenizer) if method == "awq" else None)
         ppl[method] = perplexity(model, ids)
         if method == "int4":
             ratio = decode_weight_bytes(model) / decode_weight_bytes(real_model)
