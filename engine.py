@@ -53,6 +53,7 @@ from scheduler import ScheduledSeq, Scheduler
 from sequence import FINISHED, RUNNING, Request, RequestOutput, Sequence
 from speculative import MAX_SPECULATIVE_TOKENS, make_drafter
 from support import checks
+from support.calibration import calibration_ids
 from support.checkpoint import tokenizer_path
 from support.timing import choose_weight_layout, step_memory
 from tokenizer import Tokenizer
@@ -81,8 +82,10 @@ class EngineConfig:
     max_num_seqs: int = option(64, "sequences in one batch at most (scheduler.py)", ge=1)
     max_num_batched_tokens: int = option(2048, "tokens in one step at most (prefill chunks)", ge=1)
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of cached prefixes (cache.py)")
-    quantization: str | None = option(None, "int8 weight-only linears (quantize.py; on a CPU, "
-                                      "dtype 'auto' is then bfloat16)", choices=(None, "int8"))
+    quantization: str | None = option(None, "'int8', 'fp8', 'int4', 'awq' (int4 with AWQ "
+                                      "scales) weight-only or 'llm.int8' linears (quantize.py; "
+                                      "on a CPU, dtype 'auto' is then bfloat16)",
+                                      choices=(None, "int8", "fp8", "llm.int8", "int4", "awq"))
     kv_cache_dtype: str | None = option(None, "int8: the KV pool stores int8 and a scale per "
                                         "token and head (quantize.py)", choices=(None, "int8"))
     compile: bool = option(False, "steps of <= k + 1 tokens per sequence through torch.compile, "
@@ -437,7 +440,8 @@ def load_engine_model(c: EngineConfig):
     else:
         model, config = load_model(c.path, device=c.device, dtype=c.dtype)
         if c.quantization is not None:     # int8 weights: a quarter of fp32's bytes per step
-            quantize_model(model, c.quantization)
+            quantize_model(model, c.quantization, None if c.quantization != "awq" else
+                           calibration_ids(Tokenizer.from_pretrained(tokenizer_path(c.path))))
     if config.random_seed is not None:
         print(f"nanoinfer: {c.path}: RANDOM weights (published shapes, seed "
               f"{config.random_seed}): timings are real, the text is noise")

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cache import flatten_step
-from support.gpu import jit, tl, triton
+from support.gpu import autotune, configs, jit, tl, triton
 
 # True (bench.py --strict-sdpa): on CUDA, SDPA falling back to its math backend raises.
 STRICT_SDPA = False
@@ -627,3 +627,76 @@ class CompiledDecoder:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
+
+# --- The int8 weight matmul (quantize.Int8Linear on CUDA) ---------------------------------
+def _fitting(cfgs, named_args, **_):
+    """Tiles that fit the rows: 64-row tiles (prefill) take short K steps, or x's tile spills
+    registers."""
+    return [c for c in cfgs if named_args["BLOCK_M"] == 16 or c.kwargs["BLOCK_K"] <= 128]
+
+
+# Which tile streams a weight fastest depends on its shape and the GPU: Triton times these once
+# per (N, K, BLOCK_M) on first use (at the engine's warm-up, before CUDA graphs record) and keeps
+# the best. W_FIRST: the weight tile is the product's left operand, read row by row as it is
+# stored.
+@autotune(configs=configs(*[(n, k, wf, warps) for wf in (0, 1) for n, k, warps in
+                            ((16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (64, 512, 8),
+                             (32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 64, 8))],
+                          names=("BLOCK_N", "BLOCK_K", "W_FIRST")),
+          key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _fitting})
+@jit
+def _int8_matmul_kernel(x, w, scale, y, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        W_FIRST: tl.constexpr):  # pragma: no cover (a GPU's kernel)
+    """y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] with int8 w: program (n, m) streams BLOCK_N
+    weight rows once, converting each int8 byte to x's dtype in registers (never in memory), and
+    multiplies them on the tensor cores (tl.dot) with a BLOCK_M-row tile of x (decode: 1-16 rows,
+    padded: the weight bytes, not the FLOPs, set the time)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)                  # y^T: [n, m]
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x + m[None, :] * sx + k[:, None], mask=(m < M)[None, :] & (k < K)[:, None],
+                     other=0.0)
+        if W_FIRST:                                        # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
+            wt = tl.load(w + n[:, None] * sw + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :],
+                         other=0)
+            acc += tl.dot(wt.to(xt.dtype), xt,
+                          input_precision="ieee" if xt.dtype == tl.float32 else "tf32")
+        else:                                                      # (x @ w^T)^T, x the left operand
+            wt = tl.load(w + n[None, :] * sw + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None],
+                         other=0)
+            acc += tl.trans(tl.dot(tl.trans(xt), wt.to(xt.dtype),
+                                   input_precision="ieee" if xt.dtype == tl.float32 else "tf32"))
+    # dequantize: once per output
+    acc *= tl.load(scale + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(y + m[None, :] * sy + n[:, None], acc, mask=(m < M)[None, :] & (n < N)[:, None])
+
+
+@torch.library.custom_op("nanoinfer::int8_matmul", mutates_args=())
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x @ weight^T) * scale for int8 weight [N, K], x [..., K] -> [..., N] in x's dtype: the
+    Triton kernel (CUDA; a custom op, so torch.compile and CUDA graphs call it as it is)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return launch_int8_matmul(rows, weight, scale).view(*x.shape[:-1], weight.shape[0])
+
+
+def launch_int8_matmul(rows, weight, scale, tile: tuple | None = None):
+    """The kernel on rows [M, K]: autotuned, or with tile = (BLOCK_N, BLOCK_K, W_FIRST,
+    num_warps) given."""
+    M, (N, K) = rows.shape[0], weight.shape
+    y = torch.empty(M, N, device=rows.device, dtype=rows.dtype)
+    BLOCK_M = 16 if M <= 16 else 64       # decode batches: one tile of rows; larger: 64 per program
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, BLOCK_M))    # noqa: E731
+    kernel, fixed = (_int8_matmul_kernel, {}) if tile is None else \
+        (_int8_matmul_kernel.fn, dict(BLOCK_N=tile[0], BLOCK_K=tile[1], W_FIRST=tile[2],
+                                      num_warps=tile[3]))
+    kernel[grid](rows, weight, scale, y, M, N, K, rows.stride(0), weight.stride(0), y.stride(0),
+                 BLOCK_M=BLOCK_M, **fixed)
+    return y
+
+
+int8_matmul.register_fake(lambda x, weight, scale: x.new_empty(*x.shape[:-1], weight.shape[0]))
+# CUDA: up to this many rows through the Triton kernel (decode); more: converted weight
+INT8_KERNEL_ROWS = 64

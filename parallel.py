@@ -335,6 +335,9 @@ class TensorParallelGroup(WorkerGroup):
         device_type = torch.device(device).type
         self.full_config, self.cache = read_config(path), None
         check_tensor_parallel(self.full_config, world_size, device_type)   # before any process
+        if quantization not in (None, "int8"):          # the slicing knows int8's layout only
+            raise ValueError(f"tensor parallelism shards float or int8 weights, not "
+                             f"{quantization!r}")
         spec = WorkerSpec(path, world_size, device_type, dtype, quantization, collective_timeout_s)
         # a worker runs `python -c entry` (so a user's script needs no __main__ guard)
         entry = "import parallel; parallel.serve_worker(parallel.load_shard, parallel._worker_loop)"

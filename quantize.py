@@ -1,34 +1,34 @@
 """
-quantize.py -- int8: fewer bytes per value, fewer bytes per step.
+quantize.py -- the quantization chapter: fewer bytes per weight, fewer bytes per step.
 
 The lesson: decode is memory-bound. A decode step at small batch reads every weight once
 and does ~2 FLOPs per weight per sequence, so its time is
 
     step time ~ (weight bytes + KV cache bytes) / memory bandwidth
 
-and halving the bytes per value halves the step. Weight-only int8 stores each linear
-layer's weight as 8-bit integers plus one float scale per output row
-(per-output-channel, symmetric absmax):
+and halving the bytes per value halves the step. Four formats, each a drop-in nn.Linear:
 
-    scale[o] = max_i |W[o, i]| / 127        q[o, i] = round(W[o, i] / scale[o])
-    y[o]     = sum_i x[i] * W[o, i]  ~=  scale[o] * sum_i x[i] * q[o, i]
+  * int8 weight-only (Int8Linear): integers and one float scale per output row (absmax)
+        scale[o] = max_i |W[o, i]| / 127        q[o, i] = round(W[o, i] / scale[o])
+        y[o]     = sum_i x[i] * W[o, i]  ~=  scale[o] * sum_i x[i] * q[o, i]
+    (the scale factors out of the sum); each weight errs by <= scale / 2.
+  * fp8 e4m3 (Fp8Linear): per-row scales, float values (3 mantissa bits: a relative error).
+  * int4 group-wise (Int4Linear): two weights per byte. 16 levels are too few for a whole
+    row, so each GROUP of inputs has its own scale and zero point: ~0.13x float32's bytes.
+  * LLM.int8() (LLMInt8Linear): int8 weights AND int8 activations, int8 x int8 -> int32.
 
-The scale factors out of the sum, so the matmul runs on the integers and the
-dequantization is one multiply per output. Activations stay in floating point
-("weight-only"): they are small at decode time and carry outliers that 8 bits would
-clip. The rounding error per weight is at most scale / 2, so one outlier coarsens its
-whole row: that is what per-channel (not per-tensor) scales limit.
+Activations carry OUTLIERS: a few input channels are 10-100x larger than the rest, in every
+token. Two answers. LLM.int8() multiplies the columns of x above OUTLIER (6.0) in floating
+point, the rest in int8 with one scale per row of x, which the outliers would otherwise set.
+AWQ (awq_scale) keeps weights int4 but protects the ones those channels multiply: input
+channel i of W scaled up by s_i, x down by 1/s_i (folded into the RMSNorm or linear before:
+the same function in full precision), gives them more of the 16 levels; s = mean|x|^alpha.
 
-Every nn.Linear is quantized (q, k, v, o, the MLP's gate/up/down, the LM head). The
-token embedding stays in floating point: a lookup reads only N rows per step, not the
-whole table. With tied embeddings (SmolLM2) the LM head becomes an int8 copy and the
-float table remains for the lookup. The int8 KV cache does the same to the cache: one
-float32 scale per (token, head), dequantized when paged attention reads the blocks, so
-bytes per token are 2 * layers * kv_heads * (head_dim * 1 + 4).
-
-Place in the data flow: LLM(quantization="int8") calls quantize_model() right after
-load_model(); LLM(kv_cache_dtype="int8") builds an Int8KVCache instead of a KVCache.
-bench.perplexity() measures what the bytes cost in quality.
+Embeddings stay in floating point (a lookup reads N rows, not the table); a tied LM head
+becomes a quantized copy. The int8 KV cache keeps a float32 scale per (token, head): 2 *
+layers * kv_heads * (head_dim + 4) bytes per token. LLM(quantization=...) calls
+quantize_model() right after load_model(); LLM(kv_cache_dtype="int8") makes an Int8KVCache.
+experiments/quantization.py measures what each format costs in bytes, speed and perplexity.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cache import KVCache, store_rows
-from support.gpu import autotune, configs, jit, tl, triton
+from kernels import INT8_KERNEL_ROWS, int8_matmul
+from support.gpu import triton
 
 QMAX = 127   # symmetric: [-127, 127], so -q is always representable
 
@@ -64,102 +65,53 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dim: int = -1, dtype=t
     # end assignment
 
 
-def _fitting(cfgs, named_args, **_):
-    """Tiles that fit the rows: 64-row tiles (prefill) take short K steps, or x's tile spills
-    registers."""
-    return [c for c in cfgs if named_args["BLOCK_M"] == 16 or c.kwargs["BLOCK_K"] <= 128]
-
-
-# Which tile streams a weight fastest depends on its shape and the GPU: Triton times these once
-# per (N, K, BLOCK_M) on first use (at the engine's warm-up, before CUDA graphs record) and keeps
-# the best. W_FIRST: the weight tile is the product's left operand, read row by row as it is
-# stored.
-@autotune(configs=configs(*[(n, k, wf, warps) for wf in (0, 1) for n, k, warps in
-                            ((16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (64, 512, 8),
-                             (32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 64, 8))],
-                          names=("BLOCK_N", "BLOCK_K", "W_FIRST")),
-          key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _fitting})
-@jit
-def _int8_matmul_kernel(x, w, scale, y, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        W_FIRST: tl.constexpr):  # pragma: no cover (a GPU's kernel)
-    """y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] with int8 w: program (n, m) streams BLOCK_N
-    weight rows once, converting each int8 byte to x's dtype in registers (never in memory), and
-    multiplies them on the tensor cores (tl.dot) with a BLOCK_M-row tile of x (decode: 1-16 rows,
-    padded: the weight bytes, not the FLOPs, set the time)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)                  # y^T: [n, m]
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x + m[None, :] * sx + k[:, None], mask=(m < M)[None, :] & (k < K)[:, None],
-                     other=0.0)
-        if W_FIRST:                                        # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]
-            wt = tl.load(w + n[:, None] * sw + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :],
-                         other=0)
-            acc += tl.dot(wt.to(xt.dtype), xt,
-                          input_precision="ieee" if xt.dtype == tl.float32 else "tf32")
-        else:                                                      # (x @ w^T)^T, x the left operand
-            wt = tl.load(w + n[None, :] * sw + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None],
-                         other=0)
-            acc += tl.trans(tl.dot(tl.trans(xt), wt.to(xt.dtype),
-                                   input_precision="ieee" if xt.dtype == tl.float32 else "tf32"))
-    # dequantize: once per output
-    acc *= tl.load(scale + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(y + m[None, :] * sy + n[:, None], acc, mask=(m < M)[None, :] & (n < N)[:, None])
-
-
-@torch.library.custom_op("nanoinfer::int8_matmul", mutates_args=())
-def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(x @ weight^T) * scale for int8 weight [N, K], x [..., K] -> [..., N] in x's dtype: the
-    Triton kernel (CUDA; a custom op, so torch.compile and CUDA graphs call it as it is)."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return launch_int8_matmul(rows, weight, scale).view(*x.shape[:-1], weight.shape[0])
-
-
-def launch_int8_matmul(rows, weight, scale, tile: tuple | None = None):
-    """The kernel on rows [M, K]: autotuned, or with tile = (BLOCK_N, BLOCK_K, W_FIRST,
-    num_warps) given."""
-    M, (N, K) = rows.shape[0], weight.shape
-    y = torch.empty(M, N, device=rows.device, dtype=rows.dtype)
-    BLOCK_M = 16 if M <= 16 else 64       # decode batches: one tile of rows; larger: 64 per program
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, BLOCK_M))    # noqa: E731
-    kernel, fixed = (_int8_matmul_kernel, {}) if tile is None else \
-        (_int8_matmul_kernel.fn, dict(BLOCK_N=tile[0], BLOCK_K=tile[1], W_FIRST=tile[2],
-                                      num_warps=tile[3]))
-    kernel[grid](rows, weight, scale, y, M, N, K, rows.stride(0), weight.stride(0), y.stride(0),
-                 BLOCK_M=BLOCK_M, **fixed)
-    return y
-
-
-int8_matmul.register_fake(lambda x, weight, scale: x.new_empty(*x.shape[:-1], weight.shape[0]))
-# CUDA: up to this many rows through the Triton kernel (decode); more: converted weight
-INT8_KERNEL_ROWS = 64
-
-
 FUSED_ROWS = 8   # compiled int8 products of up to this many rows run as one fused reduction
 
 
-class Int8Linear(nn.Module):
-    """A drop-in nn.Linear with an int8 weight [out, in] and a scale per output row.
-
-    forward computes (x @ q^T) * scale (+ bias), F.linear on the dequantized weight, in
-    one of three ways: on CPU with bfloat16 activations, torch._weight_int8pack_mm, a kernel
-    that reads the int8 weight directly; under torch.compile with at most FUSED_ROWS rows
-    (small-batch decode, the case int8 is for), _fused; otherwise F.linear on the converted
-    weight. Eagerly that conversion is a kernel of its own that writes a float copy the
-    matmul reads back: more bytes than a bf16 weight, so eager int8 is slower than bf16.
-    """
+class QuantLinear(nn.Module):
+    """What every format shares: the shape, a float bias, and forward = F.linear on the
+    weight the format stands for (a subclass's dequantized(dtype) [out, in]). Eagerly that
+    weight is a float copy, written then read back: MORE bytes than a bf16 weight, so eager
+    quantized layers are slower than bf16. Compiled decode reads the small format itself."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        q, scale = quantize_int8(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x):
+        few = torch.compiler.is_compiling() and x.numel() <= FUSED_ROWS * self.in_features
+        y = self._fused(x) if few else F.linear(x, self.dequantized(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def _fused(self, x):  # pragma: no cover (compiled code only: see the docstring's last line)
+        """gpt-fast's decode product, which the compiler turns into ONE kernel: as elementwise
+        multiply + sum, unpacking and scaling are part of the reduction's load, in registers
+        (no float weight is written). Output [out, rows]: rows sharing a weight row are
+        neighbours, so it is loaded once for all. Only for a few rows (no tensor cores or
+        BLAS blocking). Eagerly it would materialize [out, rows, in]: compiled code only."""
+        rows = x.reshape(-1, self.in_features)                                       # [R, in]
+        y = (self.dequantized(x.dtype)[:, None, :] * rows[None, :, :]).sum(-1)        # [out, R]
+        return y.t().view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class Int8Linear(QuantLinear):
+    """int8 weight [out, in] and a scale per output row. forward is (x @ q^T) * scale (+ bias)
+    in one of four ways: on CUDA, kernels.int8_matmul (Triton); on CPU with bf16 activations,
+    torch._weight_int8pack_mm, reading the int8 weight directly; compiled, _fused; else
+    F.linear on the converted weight."""
+    kind = "int8"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        q, scale = quantize_int8(linear.weight)
         self.register_buffer("weight", q)          # [out, in] int8: 1 byte per value
         # [out], in the model's dtype: a bf16 kernel wants bf16 scales, and converting in forward
         # is one more op per layer (one that inductor's lowering of _weight_int8pack_mm refuses).
         self.register_buffer("scale", scale.to(linear.weight.dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x):
         # assignment: int8
@@ -178,37 +130,214 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
         # end assignment
 
-    def _fused(self, x):  # pragma: no cover (compiled code only: see the docstring's last line)
-        """gpt-fast's int8 decode: a product the compiler turns into ONE kernel.
-
-        As elementwise multiply + sum, the int8 -> float conversion is part of the
-        reduction's load: inductor reads each int8 byte once and converts it in registers
-        (no converted weight), a quarter of float32's bytes, half of bf16's. Output
-        [out, rows]: rows sharing a weight row are neighbours, so it is loaded once for
-        all. Only for a few rows: no tensor cores or BLAS blocking, so many rows make it
-        compute-bound. Eagerly it would materialize [out, rows, in]: compiled code only.
-        """
-        rows = x.reshape(-1, self.in_features)                                       # [R, in]
-        y = (self.weight.to(x.dtype)[:, None, :] * rows[None, :, :]).sum(-1)          # [out, R]
-        return (y.t() * self.scale.to(x.dtype)).view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+    def dequantized(self, dtype):
+        return dequantize_int8(self.weight, self.scale, dtype=dtype)
 
 
-def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
-    """Swap every nn.Linear of `model` for an Int8Linear, in place, one layer at a time: a
-    replaced layer's float weight is freed before the next is quantized, so the peak is the
-    float model plus one int8 layer, never two copies of the model."""
-    if method != "int8":
-        raise ValueError(f"unknown quantization {method!r}; the supported method is 'int8'")
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+# --- fp8 e4m3: a float with 3 mantissa bits, one scale per output row ---------------------
+FP8_MAX = 448.0    # the largest float8_e4m3fn: (1 + 6/8) * 2^8
+
+
+def quantize_fp8(w: torch.Tensor):
+    """Per output row of w [N, K]: scale = absmax / 448 (1 for an all-zero row), q = w / scale
+    rounded to the nearest e4m3 value. Returns q [N, K] float8_e4m3fn and scale [N] float32."""
+    absmax = w.detach().abs().amax(-1, keepdim=True).float()
+    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+class Fp8Linear(QuantLinear):
+    """fp8 weight [out, in] (1 byte a value, as int8) and a float32 scale per row, upcast in the
+    matmul. Its error is relative: small weights keep digits that int8's fixed step rounds off."""
+    kind = "fp8 e4m3"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        q, scale = quantize_fp8(linear.weight)
+        self.register_buffer("weight", q)                          # [out, in] float8_e4m3fn
+        self.register_buffer("scale", scale)                       # [out] float32
+
+    def dequantized(self, dtype):
+        return self.weight.to(dtype) * self.scale[:, None].to(dtype)
+
+
+# --- int4 group-wise: two weights per byte, a scale and a zero point per group ------------
+def int4_group(k: int) -> int:
+    """Inputs per int4 group for rows of k: 128, or the largest of 64, 32 dividing k, else k."""
+    return next(g for g in (128, 64, 32, k) if k % g == 0)
+
+
+def quantize_int4(w: torch.Tensor, group: int):
+    """Asymmetric int4 per group of `group` consecutive inputs of each row of w [N, K]:
+    w ~= (q - zero) * scale, q in [0, 15]; a group's range [min, max] is widened to hold 0
+    (which zero stands for exactly); scale = (max - min) / 15, at least 1e-5 (an all-zero
+    group), rounded to float16 BEFORE q is computed with it. Returns q [N, K] uint8 (one level
+    a byte: pack_int4 halves it), scale [N, K // group] float16, zero [N, K // group] uint8."""
+    # assignment: int4
+    N, K = w.shape
+    g = w.detach().float().reshape(N, K // group, group)                       # [N, G, group]
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)                  # [N, G]
+    scale = ((hi - lo) / 15).clamp(min=1e-5).half()                            # as stored
+    zero = torch.round(-lo / scale.float()).clamp(0, 15)                       # [N, G]
+    q = (torch.round(g / scale.float()[..., None]) + zero[..., None]).clamp(0, 15)
+    return q.to(torch.uint8).reshape(N, K), scale, zero.to(torch.uint8)
+    # end assignment
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Two levels a byte: [N, K] (0..15) -> [N, K // 2] uint8, column 2j in the low nibble."""
+    # assignment: int4
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+    # end assignment
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: [N, K // 2] uint8 -> [N, K] levels 0..15."""
+    # assignment: int4
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    # end assignment
+
+
+def dequantize_int4(q, scale, zero, dtype=torch.float32):
+    """The weight [N, K] that levels q [N, K] stand for: (q - zero) * scale, per group."""
+    # assignment: int4
+    N, G = scale.shape
+    w = (q.reshape(N, G, -1).to(dtype) - zero[..., None].to(dtype)) * scale[..., None].to(dtype)
+    return w.reshape(N, -1)                                                    # [N, K]
+    # end assignment
+
+
+class Int4Linear(QuantLinear):
+    """int4 weight [out, in // 2] uint8 with a float16 scale and a uint8 zero per group
+    [out, in // group]: 64 + 3 bytes per 128 weights (0.13x float32), unpacked in forward."""
+
+    def __init__(self, linear: nn.Linear, group: int | None = None):
+        super().__init__(linear)
+        self.group = group or int4_group(self.in_features)
+        self.kind = f"int4, group={self.group}"
+        q, scale, zero = quantize_int4(linear.weight, self.group)
+        self.register_buffer("weight", pack_int4(q))               # [out, in // 2] uint8
+        self.register_buffer("scale", scale)                       # [out, in // group] float16
+        self.register_buffer("zero", zero)                         # [out, in // group] uint8
+
+    def dequantized(self, dtype):
+        return dequantize_int4(unpack_int4(self.weight), self.scale, self.zero, dtype)
+
+
+# --- LLM.int8(): int8 x int8 products, the outlier columns in floating point --------------
+OUTLIER = 6.0    # |x| above this marks an input column as an outlier (the paper's threshold)
+
+
+class LLMInt8Linear(QuantLinear):
+    """int8 weight [out, in] with a scale per row (as Int8Linear) AND int8 activations. Per call,
+    the input columns where any row of x exceeds OUTLIER go through the float product with
+    those columns of the dequantized weight; the rest of x is int8 with one scale per row (its
+    absmax WITHOUT the outliers), int8 x int8 -> int32 exactly, then times both scales."""
+    kind = "llm.int8"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        q, scale = quantize_int8(linear.weight)
+        self.register_buffer("weight", q)                          # [out, in] int8
+        self.register_buffer("scale", scale)                       # [out] float32
+
+    def dequantized(self, dtype):
+        return dequantize_int8(self.weight, self.scale, dtype=dtype)
+
+    def forward(self, x):
+        rows = x.reshape(-1, self.in_features)                                     # [R, in]
+        cols = (rows.abs() > OUTLIER).any(0).nonzero().squeeze(1)                  # [C]
+        xq, xs = quantize_int8(rows.index_fill(1, cols, 0))                        # [R, in], [R]
+        pad = max(0, 17 - len(xq)) if x.is_cuda else 0     # CUDA's int8 GEMM: > 16 rows
+        acc = torch._int_mm(F.pad(xq, (0, 0, 0, pad)), self.weight.t())[:len(xq)]  # [R, out]
+        y = (acc.float() * xs[:, None] * self.scale[None, :]).to(x.dtype)
+        w_out = dequantize_int8(self.weight[:, cols], self.scale, dtype=x.dtype)
+        y = (y + F.linear(rows[:, cols], w_out)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+# --- AWQ: scale the channels that carry large activations up before int4 -----------------
+AWQ_GRID = 20    # alpha in 0, 0.05, ..., 0.95 (the paper's grid)
+AWQ_ROWS = 256   # output rows the search errs on (evenly spaced): a sample, for a CPU's speed
+
+
+def awq_search(x: torch.Tensor, weight: torch.Tensor, group: int):
+    """AWQ's scales for the linears that read x [T, K] (calibration rows), weight [N, K]
+    their rows stacked: per input channel s = mean_t |x[t]|^alpha, normalised so that
+    sqrt(max(s) * min(s)) = 1, for the alpha on the grid whose int4 layer (W * s quantized,
+    then / s: what the folded model computes) gives the least mean squared output error on x
+    against the float layer. Returns (s [K] float32, alpha)."""
+    # assignment: awq
+    x, weight = x.float(), weight.float()
+    mean, ref = x.abs().mean(0), x @ weight.t()                         # [K], [T, N]
+    best = (float("inf"), None, None)
+    for alpha in [i / AWQ_GRID for i in range(AWQ_GRID)]:
+        s = mean.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        w = dequantize_int4(*quantize_int4(weight * s, group)) / s         # [N, K]
+        err = (x @ w.t() - ref).pow(2).mean().item()
+        if err < best[0]:
+            best = (err, s, alpha)
+    return best[1], best[2]
+    # end assignment
+
+
+@torch.no_grad()
+def awq_scale(model: nn.Module, calibration: list[int]) -> list[float]:
+    """Fold AWQ's scales into the float `model`, the same function: per group of linears that
+    read one input (seen in one forward pass over the calibration token ids: q/k/v, gate/up,
+    down, the LM head), W[:, i] *= s_i and its producer (an RMSNorm's weight, or up_proj's row
+    i for down_proj; model.py's MLP has no bias) /= s_i. Not o_proj: under GQA its input
+    channels are V's rows, shared by query heads. Returns the alphas."""
+    groups = []                                            # (producer, [linears reading it])
+    for blk in model.layers:
+        a, m = blk.self_attn, blk.mlp
+        groups += [(blk.input_layernorm, [a.q_proj, a.k_proj, a.v_proj]),
+                   (blk.post_attention_layernorm, [m.gate_proj, m.up_proj]),
+                   (m.up_proj, [m.down_proj])]
+    if model.lm_head.weight is model.embed_tokens.weight:   # tied: the head scales a copy
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.clone(), requires_grad=False)
+    groups.append((model.norm, [model.lm_head]))
+    seen, ids = {}, torch.tensor(calibration, device=next(model.parameters()).device)
+    hooks = [ls[0].register_forward_pre_hook(lambda mod, args: seen.__setitem__(mod, args[0]))
+             for _, ls in groups]
+    model(ids, torch.arange(len(ids), device=ids.device))
+    for h in hooks:
+        h.remove()
+    alphas = []
+    for producer, linears in groups:
+        x = seen[linears[0]].reshape(-1, linears[0].in_features)                  # [T, K]
+        w = torch.cat([lin.weight for lin in linears])                             # [N, K]
+        s, alpha = awq_search(x, w[::max(1, len(w) // AWQ_ROWS)], int4_group(w.shape[1]))
+        for lin in linears:
+            lin.weight.mul_(s.to(lin.weight.dtype))
+        producer.weight.div_((s[:, None] if producer.weight.dim() == 2 else s).to(x.dtype))
+        alphas.append(alpha)
+    return alphas
+
+
+FORMATS = {"int8": Int8Linear, "fp8": Fp8Linear, "llm.int8": LLMInt8Linear, "int4": Int4Linear,
+           "awq": Int4Linear}
+
+
+def quantize_model(model: nn.Module, method: str = "int8", calibration=None) -> nn.Module:
+    """Swap every nn.Linear of `model` for its `method` layer (FORMATS) in place, one at a time:
+    the peak is the float model plus one quantized layer. "awq" first folds AWQ's scales,
+    calibrated on `calibration` (token ids), then quantizes to int4."""
+    if method not in FORMATS:
+        raise ValueError(f"unknown quantization {method!r}; the supported methods are "
+                         f"{', '.join(FORMATS)}")
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise ValueError("the model is already quantized; load a fresh float model to quantize "
                          "it again")
+    if method == "awq":
+        if not calibration:
+            raise ValueError("awq needs calibration token ids (support/calibration.py)")
+        awq_scale(model, calibration)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child))
+                setattr(parent, name, FORMATS[method](child))
     return model
 
 

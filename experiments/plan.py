@@ -188,7 +188,7 @@ def _weight_bytes(path, dtype, quantization) -> int:
     if key not in _WEIGHTS:
         model, _ = load_model(path, device="meta", dtype=dtype)
         if quantization:
-            quantize_model(model, quantization)
+            quantize_model(model, "int4" if quantization == "awq" else quantization)   # awq: int4's bytes
         unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}   # a tied head once
         _WEIGHTS[key] = sum(t.nbytes for t in unique.values())
     return _WEIGHTS[key]

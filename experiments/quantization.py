@@ -1,13 +1,18 @@
 """
-quantization -- fewer bytes per weight, fewer bytes per step, more tokens/s.
+quantization -- the lecture's table: fewer bytes per weight, fewer bytes per step, at a perplexity cost.
 
-Claim (lecture): decode reads every weight each step, so int8 weights (half of bf16's bytes, a
-quarter of float32's) make a memory-bound step faster, for a small perplexity cost; an int8 KV
-cache halves the cache's bytes again. Baseline: the float engine (the run's dtype; on a CPU
-bf16 too, the fair question there being what int8 adds over bf16 activations), timed in the same
-run. On a GPU every row is compiled: the int8 -> bf16 conversion then happens in registers
-inside the matmul (quantize.py), so the halved bytes show as time. Perplexity is a quality
-figure: on the default model's trained weights (the same settings), never random ones.
+Claim (lecture): decode reads every weight each step, so fewer bytes per weight make a memory-bound
+step faster: fp8 and int8 weights are half of bf16's bytes, int4 a quarter (plus a scale and a zero
+point per group); LLM.int8() keeps int8 weights but also rounds the activations (its outlier columns
+aside), AWQ is int4 with activation-aware scales. The rows: float, fp8, int8, llm.int8, int4, awq
+(on a CPU also an int8 KV cache). Baseline: the float engine (the run's dtype; on a CPU bf16 too, the fair
+question there being what a format adds over bf16 activations), timed in the same run. Bytes are
+given as a factor of the same weights in bf16 and in float32. On a GPU every row is compiled: the
+conversion then happens in registers inside the matmul (quantize.py), so the bytes show as time;
+eagerly on a CPU each format's dequantized copy costs more than it saves. Perplexity is a quality
+figure: on the default model's trained weights (the same settings), never random ones, on the
+shipped evaluation text (AWQ calibrates on another shipped text, support/calibration_text.txt).
+The outlier line: the share of each kind of linear's input columns LLM.int8() multiplies in float.
 """
 from __future__ import annotations
 
@@ -25,18 +30,20 @@ from experiments.plan import Phase, decode, prefill
 
 NAME = "quantization"
 INT8, INT8_KV = dict(quantization="int8"), dict(quantization="int8", kv_cache_dtype="int8")
+FP8, LLM_INT8, INT4, AWQ = (dict(quantization=q) for q in ("fp8", "llm.int8", "int4", "awq"))
+FORMATS = [("fp8 weights", FP8), ("int8 weights", INT8), ("llm.int8", LLM_INT8), ("int4 weights", INT4),
+           ("awq int4 weights", AWQ)]
 # configs: (name, engine options); the float row runs on the run's standard engine ({}); the int8 ones
 # beside it with seats for `big` (their own pool; on a GPU the standard one stays built for what follows)
 WORKLOAD = {"cpu": dict(big=16, context=128, steps=10, tokens=100000,
-                        configs=[("float", {}), ("bfloat16", dict(dtype="bfloat16")), ("int8 weights", INT8),
+                        configs=[("float", {}), ("bfloat16", dict(dtype="bfloat16")), *FORMATS,
                                  ("int8 weights + int8 KV", INT8_KV)]),
             "cpu-quick": dict(big=4, context=16, steps=3, tokens=128,
-                              configs=[("float", {}), ("bfloat16", dict(dtype="bfloat16")), ("int8 weights", INT8),
+                              configs=[("float", {}), ("bfloat16", dict(dtype="bfloat16")), *FORMATS,
                                        ("int8 weights + int8 KV", INT8_KV)]),
-            "gpu": dict(big=16, context=512, steps=10, tokens=100000,
-                        configs=[("float", {}), ("int8 weights", INT8), ("int8 weights + int8 KV", INT8_KV)]),
+            "gpu": dict(big=16, context=512, steps=10, tokens=100000, configs=[("float", {}), *FORMATS]),
             "gpu-quick": dict(big=16, context=512, steps=5, tokens=100000,
-                              configs=[("float", {}), ("int8 weights", INT8)])}
+                              configs=[("float", {}), ("int4 weights", INT4)])}
 
 
 def configs(s, w) -> list:
@@ -78,6 +85,29 @@ def paged_perplexity(llm, ids: list[int], chunk: int = 256) -> float:
     return math.exp(nll / (len(ids) - 1))
 
 
+@torch.inference_mode()
+def outlier_columns(model: torch.nn.Module, token_ids: list[int], window: int = 512) -> dict:
+    """LLM.int8()'s outliers in each kind of linear (q_proj, ..., lm_head), over one dense pass of `window`
+    tokens: {kind: (share of input columns holding a |value| > OUTLIER in the window, share of the values
+    above it: a decode step's single row sends about that share of columns through the float product)},
+    each the mean over the layers."""
+    from quantize import OUTLIER
+    seen = {}
+
+    def keep(kind):
+        def hook(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float().abs() > OUTLIER
+            seen.setdefault(kind, []).append((x.any(0).float().mean().item(), x.float().mean().item()))
+        return hook
+    hooks = [m.register_forward_pre_hook(keep(n.rsplit(".", 1)[-1])) for n, m in model.named_modules()
+             if hasattr(m, "in_features")]
+    ids = torch.tensor(token_ids[:window], device=next(model.parameters()).device)
+    model(ids, torch.arange(len(ids), device=ids.device))
+    for h in hooks:
+        h.remove()
+    return {k: tuple(sum(x) / len(v) for x in zip(*v)) for k, v in seen.items()}
+
+
 def one_config(b, w, name, opts) -> dict:
     """A config's bytes and decode tokens/s at batch 1 and `big`, then its perplexity."""
     llm = b.llm(**opts)
@@ -93,6 +123,8 @@ def one_config(b, w, name, opts) -> dict:
             llm = b.llm(path=b.quality_path, max_num_seqs=1, compile=False, pool_tokens=4096, share=False, **q)
         ids = llm.tokenizer.encode(eval_text())[:w.tokens]
         c["perplexity"], c["perplexity_tokens"] = paged_perplexity(llm, ids), len(ids)   # the int8 KV cache counts
+        if name == "float":
+            c["outlier_columns"] = outlier_columns(llm.model, ids)
     return c
 
 
@@ -103,20 +135,26 @@ def run(b):
         b.progress(f"quantization: {name}")
         fig["configs"].append(one_config(b, w, name, opts))
     base = fig["configs"][0]
+    params = base["weight_bytes"] / torch.finfo(getattr(torch, base["dtype"])).bits * 8   # values, about
     for c in fig["configs"]:
         c["speedup_batch1"] = c["tokens_per_s_batch1"] / base["tokens_per_s_batch1"]
         c["perplexity_change"] = None if c["perplexity"] is None else c["perplexity"] / base["perplexity"] - 1
-    rows = [[c["name"], c["dtype"], c["weight_bytes"] / 1e6, c["kv_bytes_per_token"], c["tokens_per_s_batch1"],
-             c[f"tokens_per_s_batch{w.big}"], c["perplexity"] or "needs the default model"] for c in fig["configs"]]
+        c["bytes_vs_bf16"], c["bytes_vs_float32"] = c["weight_bytes"] / (2 * params), c["weight_bytes"] / (4 * params)
+    rows = [[c["name"], c["dtype"], c["weight_bytes"] / 1e6, f"{c['bytes_vs_bf16']:.2f}x", f"{c['bytes_vs_float32']:.3f}x",
+             c["kv_bytes_per_token"], c["tokens_per_s_batch1"], f"{c['speedup_batch1']:.2f}x",
+             c[f"tokens_per_s_batch{w.big}"], c["perplexity"] or "needs the default model",
+             "" if c["perplexity_change"] is None else f"{100 * c['perplexity_change']:+.1f}%"] for c in fig["configs"]]
     if base["perplexity"] is None:
         said = f"Perplexity {NEEDS_DEFAULT_MODEL}."
     else:
         where = "" if b.quality_path == b.path else f" of {os.path.basename(b.quality_path)} (the same settings)"
         said = (f"Perplexity{where} on the shipped evaluation text ({base['perplexity_tokens']} tokens) through the "
-                "engine's paged path.")
+                "engine's paged path. LLM.int8() outlier columns (|x| > 6) per kind of linear, in a 512-token "
+                "window / in one token's row: " + ", ".join(f"{k} {100 * a:.2f}% / {100 * t:.3f}%" for k, (a, t)
+                                                            in base["outlier_columns"].items()) + ".")
     return fig, (f"Decode steps at a {w.context}-token context. {said}\n\n" +
-                 table(["weights", "activations", "weight MB/step", "KV B/token", "tokens/s batch 1",
-                        f"tokens/s batch {w.big}", "perplexity"], rows))
+                 table(["weights", "activations", "weight MB/step", "vs bf16", "vs float32", "KV B/token",
+                        "tokens/s batch 1", "vs float", f"tokens/s batch {w.big}", "perplexity", "vs float"], rows))
 
 
 def plan(s):
@@ -139,6 +177,9 @@ def plot(r: dict):
         ax.plot([x], [c["tokens_per_s_batch1"]], "o", ms=8, color=f"C{i}",
                 label=f"{c['name']} ({c['dtype']}): " + (f"perplexity {ppl:.4g}" if ppl else "random weights"))
         ax.plot([x], [c[key]], "s", ms=8, color=f"C{i}")
+        if ppl:
+            ax.annotate(f"{ppl:.3g}", (x, c["tokens_per_s_batch1"]), textcoords="offset points", xytext=(6, -12),
+                        fontsize=8, color=f"C{i}")
     ax.plot([], [], "ko", label="circles: batch 1")
     ax.plot([], [], "ks", label=f"squares: batch {key.removeprefix('tokens_per_s_batch')}")
     ax.set(xlabel="weight bytes read per decode step (MB)", ylabel="decode tokens/s")

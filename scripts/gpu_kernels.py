@@ -6,7 +6,7 @@ scripts/gpu_kernels.py -- the decode kernels alone, at Llama-3.1-8B's shapes, ag
   attention  kernels.launch_paged_decode (Triton, pages read where they lie) over block sizes of keys,
              splits and warps, against SDPA's fused kernels on the same keys stored densely (the same
              bytes, no paging): microseconds and KV GB/s (bytes it must read / time), bf16 error
-  int8       quantize.launch_int8_matmul (Triton) over tile shapes, against cuBLAS on the bf16 weight
+  int8       kernels.launch_int8_matmul (Triton) over tile shapes, against cuBLAS on the bf16 weight
              (2 bytes a weight) and on the int8 weight converted first: microseconds and weight GB/s
 
 Inputs rotate through copies larger than the L2 cache, so that timings are of HBM, not of the cache.
@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gpu_figures import graph_ms  # noqa: E402  (scripts/ is on the path when run as a script)
 
 import kernels  # noqa: E402
-import quantize  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 
@@ -119,9 +118,9 @@ def int8(out: dict, save):
             if M > 16 and tile is not None and tile[1] > 128:
                 continue
             try:
-                y = quantize.launch_int8_matmul(x, w0, scale, tile)
+                y = kernels.launch_int8_matmul(x, w0, scale, tile)
                 err = ((y.float() - ref).norm() / ref.norm()).item()
-                ms = graph_ms(lambda: quantize.launch_int8_matmul(x, wq(), scale, tile), iters=20, samples=5)
+                ms = graph_ms(lambda: kernels.launch_int8_matmul(x, wq(), scale, tile), iters=20, samples=5)
                 row[f"triton {tile or 'autotuned'}"] = {"us": ms * 1e3, "GBps": N * K / ms / 1e6, "err": err}
             except Exception as e:  # noqa: BLE001
                 row[f"triton {tile or 'autotuned'}"] = repr(e)[:200]

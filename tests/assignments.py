@@ -144,6 +144,16 @@ ASSIGNMENTS = {
         "8. int8 weights (quantize.py)",
         "symmetric absmax int8 along one axis (round, clamp to +-127, scale 1 for an all-zero slice), its "
         "inverse, and Int8Linear.forward computing F.linear on the dequantized weight"),
+    "int4": Assignment(
+        "8. int4 weights (quantize.py)",
+        "asymmetric int4 per group of inputs (range widened to hold 0, float16 scale (max - min) / 15 >= 1e-5, "
+        "integer zero point, levels 0..15), two levels a byte (column 2j in the low nibble) and back, "
+        "and (q - zero) * scale"),
+    "awq": Assignment(
+        "8. int4 weights with AWQ scales (quantize.py)",
+        "AWQ's grid search: s = mean|x|^alpha per input channel (clamped, normalised to sqrt(max * min) = 1) "
+        "for the alpha of the grid whose int4 layer (W * s quantized, / s) errs least on the calibration "
+        "outputs"),
     "decode-attention": Assignment(
         "3 and 9. decode is memory-bound; compiled decode (kernels.py)",
         "one padded, masked attention for a batch of sequences over their paged KV: one gather through the "

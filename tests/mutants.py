@@ -294,6 +294,38 @@ BUGS = [
         "v = dequantize_int8(self.v[layer][block_ids], self.v_scale[layer][block_ids]",
         "v = dequantize_int8(self.v[layer][block_ids], self.k_scale[layer][block_ids]"),
 
+    # ------------------------------------------------------------ int4 (quantize.py)
+    Bug("int4", "quantize.py", "the group's range is not widened to hold 0 (an all-positive group clips)",
+        "lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)", "lo, hi = g.amin(-1), g.amax(-1)"),
+    Bug("int4", "quantize.py", "scale = (max - min) / 16 (16 levels, but 15 steps between them)",
+        "scale = ((hi - lo) / 15).clamp(min=1e-5).half()", "scale = ((hi - lo) / 16).clamp(min=1e-5).half()"),
+    Bug("int4", "quantize.py", "an all-zero group divides by a zero scale",
+        "scale = ((hi - lo) / 15).clamp(min=1e-5).half()", "scale = ((hi - lo) / 15).half()"),
+    Bug("int4", "quantize.py", "the zero point is truncated instead of rounded",
+        "zero = torch.round(-lo / scale.float()).clamp(0, 15)", "zero = (-lo / scale.float()).trunc().clamp(0, 15)"),
+    Bug("int4", "quantize.py", "the levels are rounded with the float32 scale, not the float16 one stored",
+        "q = (torch.round(g / scale.float()[..., None])", "q = (torch.round(g / ((hi - lo) / 15).clamp(min=1e-5)[..., None])"),
+    Bug("int4", "quantize.py", "pack puts column 2j in the HIGH nibble (unpack expects the low one)",
+        "return q[:, 0::2] | (q[:, 1::2] << 4)", "return (q[:, 0::2] << 4) | q[:, 1::2]"),
+    Bug("int4", "quantize.py", "unpack concatenates the nibbles (all low, then all high) instead of interleaving",
+        "torch.stack((packed & 15, packed >> 4), dim=-1)", "torch.cat((packed & 15, packed >> 4), dim=-1)"),
+    Bug("int4", "quantize.py", "dequantize adds the zero point instead of subtracting it",
+        "(q.reshape(N, G, -1).to(dtype) - zero[..., None].to(dtype))", "(q.reshape(N, G, -1).to(dtype) + zero[..., None].to(dtype))"),
+
+    # ------------------------------------------------------------ awq (quantize.py)
+    Bug("awq", "quantize.py", "the activation statistic is max |x|, not the mean",
+        "mean, ref = x.abs().mean(0), x @ weight.t()", "mean, ref = x.abs().amax(0), x @ weight.t()"),
+    Bug("awq", "quantize.py", "the quantized weight is not divided back by s (errs on what the folded model does not compute)",
+        "w = dequantize_int4(*quantize_int4(weight * s, group)) / s", "w = dequantize_int4(*quantize_int4(weight * s, group))"),
+    Bug("awq", "quantize.py", "the scales are inverted: W divided by s before quantizing",
+        "w = dequantize_int4(*quantize_int4(weight * s, group)) / s", "w = dequantize_int4(*quantize_int4(weight / s, group)) * s"),
+    Bug("awq", "quantize.py", "the error is measured on the weights, not on the layer's outputs",
+        "err = (x @ w.t() - ref).pow(2).mean().item()", "err = (w - weight).pow(2).mean().item()"),
+    Bug("awq", "quantize.py", "the grid skips alpha 0 (never falls back to round-to-nearest)",
+        "for alpha in [i / AWQ_GRID for i in range(AWQ_GRID)]:", "for alpha in [i / AWQ_GRID for i in range(1, AWQ_GRID)]:"),
+    Bug("awq", "quantize.py", "s is not clamped: a dead channel (mean 0) makes s 0",
+        "s = mean.pow(alpha).clamp(min=1e-4)", "s = mean.pow(alpha)"),
+
     # ------------------------------------------------------------ decode-attention (kernels.py)
     Bug("decode-attention", "kernels.py", "key mask off by one: a query does not see its own token",
         "visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]\n"

@@ -42,11 +42,13 @@ import experiments
 from experiments import EXPERIMENTS, PLOTS, check, common, peer, plan
 from experiments.common import Scale, eval_text
 from experiments.quantization import perplexity
+from quantize import int4_group
 from model import default_model_path, model_flops_per_token
 from tokenizer import Tokenizer
 
 # The results fixture runs every experiment through the whole engine.
-pytestmark = pytest.mark.needs("engine", "model", "sampler", "ngram-drafter", "int8", "paged-attention", "roofline")
+pytestmark = pytest.mark.needs("engine", "model", "sampler", "ngram-drafter", "int8", "int4", "awq", "paged-attention",
+                              "roofline")
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +251,8 @@ def test_speculative(results):
 def test_quantization(run, results):
     c = run.cfg
     cfgs = {x["name"]: x for x in results["quantization"]["configs"]}
-    assert list(cfgs) == ["float", "bfloat16", "int8 weights", "int8 weights + int8 KV"]
+    assert list(cfgs) == ["float", "bfloat16", "fp8 weights", "int8 weights", "llm.int8", "int4 weights",
+                          "awq int4 weights", "int8 weights + int8 KV"]
     assert cfgs["float"]["weight_bytes"] == weight_bytes(c, 4)
     assert cfgs["bfloat16"]["weight_bytes"] == weight_bytes(c, 2)
     # int8: one byte per weight plus a bf16 scale per output row; norms stay bf16; the tied head
@@ -258,6 +261,14 @@ def test_quantization(run, results):
     for name in ("int8 weights", "int8 weights + int8 KV"):
         assert cfgs[name]["weight_bytes"] == int8
     assert 0.25 < int8 / cfgs["float"]["weight_bytes"] < 0.26, "int8 is ~1/4 of float32, plus the scales"
+    # fp8 and LLM.int8(): a byte per weight and a float32 scale per output row
+    fp8 = sum(o * i + 4 * o for o, i in linear_shapes(c)) + 2 * norm_values(c)
+    assert cfgs["fp8 weights"]["weight_bytes"] == cfgs["llm.int8"]["weight_bytes"] == fp8
+    # int4 (plain or with AWQ's folded scales): half a byte per weight, a float16 scale and a byte of zero per group
+    int4 = sum(o * i // 2 + 3 * o * (i // int4_group(i)) for o, i in linear_shapes(c)) + 2 * norm_values(c)
+    assert cfgs["int4 weights"]["weight_bytes"] == cfgs["awq int4 weights"]["weight_bytes"] == int4
+    assert cfgs["int4 weights"]["bytes_vs_float32"] == pytest.approx(int4 / weight_bytes(c, 4))
+    assert cfgs["fp8 weights"]["bytes_vs_bf16"] == pytest.approx(fp8 / weight_bytes(c, 2))
     assert cfgs["float"]["kv_bytes_per_token"] == kv_bytes_per_token(c, 4)
     assert cfgs["int8 weights"]["kv_bytes_per_token"] == kv_bytes_per_token(c, 2)
     assert cfgs["int8 weights + int8 KV"]["kv_bytes_per_token"] == 2 * c.n_layers * c.n_kv_heads * (c.head_dim + 4)

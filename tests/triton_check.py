@@ -1,4 +1,4 @@
-"""tests/triton_check.py -- the Triton kernels (kernels.paged_decode, quantize.int8_matmul) against
+"""tests/triton_check.py -- the Triton kernels (kernels.paged_decode, kernels.int8_matmul) against
 their references, in float32 (exact dot products: ieee) and, on CUDA, bf16.
 
 Run by tests/test_kernels.py and tests/test_quantize.py: in-process on CUDA; on a CPU through
@@ -52,7 +52,7 @@ def int8_matmul(device: str) -> list[str]:
         ref = (x @ q.float().t()) * scale
         tiles = [(16, 512, 0, 4), (64, 64, 1, 4), (32, 128, 0, 8), (16, 64, 1, 4)]
         for tile in tiles + ([None] if device == "cuda" else []):       # None: autotuned (timing needs a GPU)
-            y = quantize.launch_int8_matmul(x, q, scale, tile)
+            y = kernels.launch_int8_matmul(x, q, scale, tile)
             err = ((y - ref).norm() / ref.norm()).item()
             if not err <= 1e-5:
                 failures.append(f"int8_matmul M={M} N={N} K={K} tile={tile}: relative error {err:.2e}")
