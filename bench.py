@@ -60,11 +60,12 @@ def quality_model() -> str:
 def make_scale(args, gpu: bool, free_bytes: float | None = None) -> tuple[Scale, str]:
     """The run's scale and why its timing model: --model, or on a GPU the largest preset that
     fits."""
-    quality = args.model or quality_model()
-    device = args.device if args.device.startswith("cuda:") and gpu else None
+    quality = args.model or quality_model()     # perplexity, acceptance: trained weights only
+    device = args.device if args.device.startswith("cuda:") and gpu else None   # cuda:N pins one
     scale = Scale(gpu, args.quick, quality, quality, args.dtype, device)
-    if args.model or not gpu:
+    if args.model or not gpu:        # a CPU times the default model: an 8B step would take minutes
         return scale, "--model" if args.model else "the default model"
+    # A GPU: the largest preset whose PLANNED run fits, since a 135M model leaves an H100 idle
     picked, why = pick_timing_model(EXPERIMENTS, scale, free_bytes)
     return Scale(gpu, args.quick, picked or quality, quality, args.dtype, device), why
 
@@ -127,7 +128,7 @@ def main(argv=None):
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         ap.error(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
-    if args.plan:
+    if args.plan:                    # memory and time from counted bytes and steps: no GPU needed
         print(plan_text(args, True, args.gpu, CARDS[args.gpu]))
         return {}
     # Read first: a file that is not bench results stops the run before any work.
@@ -135,17 +136,16 @@ def main(argv=None):
     device = torch.device(args.device if args.device != "auto"
                           else "cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
-    card = card_for(device) if gpu else None
+    card = card_for(device) if gpu else None                # its bandwidth: the roofline's slope
     scale, why = make_scale(args, gpu, card[1].memory if gpu else None)
-    b = Bench(args, scale)
+    b = Bench(args, scale)           # the engines, built once and shared by the experiments
     meta = {"device": card[0] if gpu else f"CPU ({platform.processor() or platform.machine()}, "
                                           f"{torch.get_num_threads()} threads)",
             "dtype": args.dtype, "torch": torch.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "model": scale.path,
             "timing_model": scale.path, "quality_model": scale.quality_path, "scale": why,
-            "quick": args.quick,
-            "command": " ".join(["python", "bench.py"]
-                                + list(sys.argv[1:] if argv is None else argv))}
+            "quick": args.quick,     # every figure carries how it was made: reproducible
+            "command": " ".join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv))}
     print(f"# nanoinfer bench\n\n{meta['device']}, torch {meta['torch']}, dtype {args.dtype}, "
           f"{meta['date']}\n"
           f"Timing model {scale.path} ({weights_label(scale.path)}; {why}); quality model "
@@ -157,7 +157,7 @@ def main(argv=None):
         print(f"bench: no plan ({e})\n", file=sys.stderr)
     results["meta"] = meta                 # the latest run
     with strict_sdpa(args.strict_sdpa):
-        if args.check:
+        if args.check:               # a verdict per GPU path: trust the engine before timing it
             def save(checks):
                 results["check"] = {"checks": checks, "meta": meta}
                 save_results(args.json, results)
@@ -178,13 +178,13 @@ def run_all(b: Bench, names: list, results: dict, meta: dict, folder: str | None
             print("bench: matplotlib is not installed: tables only, no pictures "
                   "(pip install matplotlib)", file=sys.stderr, flush=True)
         folder = None
-    start = time.perf_counter()
+    start = time.perf_counter()          # progress on stderr: a rented GPU's minutes are counted
     for i, name in enumerate(names, 1):
         print(f"bench: [{i}/{len(names)}] {name} ... (elapsed {time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
         t0, b.used = time.perf_counter(), {}
-        fig, text = run_experiment(b, name)
-        fig["wall_seconds"] = time.perf_counter() - t0
+        fig, text = run_experiment(b, name)      # one at a time: two would share the bandwidth
+        fig["wall_seconds"] = time.perf_counter() - t0   # against its plan: is the plan honest?
         fig["models"], fig["meta"] = dict(b.used), meta     # which weights every figure came from
         if folder:
             try:

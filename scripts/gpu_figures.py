@@ -147,20 +147,9 @@ def engine(args, **kw):
 
 
 def start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
-    """`batch` requests of `context` random tokens, stepped until each has its first token: from then
-    on every step is a pure decode of `batch` tokens (a step's cost depends on counts, not on ids)."""
-    import random
-    from scheduler import SamplingParams
-    rng = random.Random(batch)
-    ids = [llm.add_request([rng.randrange(llm.config.vocab_size) for _ in range(context)],
-                           SamplingParams(max_tokens=steps + 64, ignore_eos=True)) for _ in range(batch)]
-    started = set()
-    while len(started) < batch:
-        for o in llm.step():
-            if o.error:
-                raise RuntimeError(f"request {o.request_id} failed: {o.error}")
-            started |= {o.request_id} if o.outputs[0].token_ids else set()
-    return ids
+    """bench's own (experiments/common.py): the requests stepped until each decodes."""
+    from experiments.common import start_decoding as bench_start_decoding
+    return bench_start_decoding(llm, batch, context, steps)
 
 
 def decode_steps(llm, batch: int, context: int, steps: int) -> dict:
