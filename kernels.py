@@ -629,10 +629,11 @@ class CompiledDecoder:
 
 
 # --- The int8 weight matmul (quantize.Int8Linear on CUDA) ---------------------------------
-def _fitting(cfgs, named_args, **_):
+def _fitting(cfgs, named_args, **constants):
     """Tiles that fit the rows: 64-row tiles (prefill) take short K steps, or x's tile spills
-    registers."""
-    return [c for c in cfgs if named_args["BLOCK_M"] == 16 or c.kwargs["BLOCK_K"] <= 128]
+    registers. (Triton passes the launch's keyword constants, BLOCK_M here, apart.)"""
+    rows = {**named_args, **constants}["BLOCK_M"]
+    return [c for c in cfgs if rows == 16 or c.kwargs["BLOCK_K"] <= 128]
 
 
 # Which tile streams a weight fastest depends on its shape and the GPU: Triton times these once

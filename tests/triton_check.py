@@ -56,6 +56,15 @@ def int8_matmul(device: str) -> list[str]:
             err = ((y - ref).norm() / ref.norm()).item()
             if not err <= 1e-5:
                 failures.append(f"int8_matmul M={M} N={N} K={K} tile={tile}: relative error {err:.2e}")
+        if device != "cuda":          # no timing here, but the autotuner's pruning, called as Triton calls it
+            tuner, y = kernels._int8_matmul_kernel, torch.empty(M, N, device=device)
+            tuner.nargs = dict(zip(tuner.arg_names, (x, q, scale, y, M, N, K, K, K, N)))
+            for block_m in (16, 64):
+                try:
+                    if not tuner.prune_configs({"BLOCK_M": block_m}):
+                        failures.append(f"int8_matmul BLOCK_M={block_m}: every tile pruned")
+                except Exception as e:   # noqa: BLE001 (triton 3.6 passes BLOCK_M in kwargs, not nargs)
+                    failures.append(f"int8_matmul autotune pruning, BLOCK_M={block_m}: {e!r}")
     return failures
 
 
