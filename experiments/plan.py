@@ -111,8 +111,8 @@ class Card:
 
 
 # Measured on an H200 with torch 2.11 (2026-11-26): copy 4,249 GB/s, bf16 8192^3 matmul 750 TFLOP/s.
-# An H100 SXM is the same chip with HBM3: 3.0 TB/s measured here on an H100 80GB (datasheet 3.35),
-# its matmul taken as the H200's. L4 and A100 from their datasheets (300 GB/s, 121 TFLOP/s; 1.9 TB/s
+# An H100 SXM is the same chip with HBM3: bench.py measured 2,989 GB/s and 801 TFLOP/s on an H100
+# 80GB HBM3 (2026-11-26; datasheet 3.35 TB/s), planned with the H200's matmul. L4 and A100 from their datasheets (300 GB/s, 121 TFLOP/s; 1.9 TB/s
 # copy, 312 TFLOP/s).
 CARDS = {"h100-80gb": Card(78 * GiB, 3.0e12, 750e12, "H100 SXM 80GB: 3.0 TB/s copy (measured), 750 TFLOP/s"),
          "h200": Card(139 * GiB, 4.249e12, 750e12, "H200 141GB: 4,249 GB/s copy, 750 TFLOP/s (measured)"),
@@ -122,7 +122,8 @@ CARDS = {"h100-80gb": Card(78 * GiB, 3.0e12, 750e12, "H100 SXM 80GB: 3.0 TB/s co
 # Time constants, from the H200 run of random:llama-3.1-8b in bf16 (LLM(compile=True, max_num_seqs=64,
 # kv_cache_bytes=8 GiB), 2026-11-26):
 COMPILE_S = 31.5          # compiling the block + recording its 96 CUDA graphs (8 batches x 12 widths);
-INT8_COMPILE_S = 38.5     # the int8 engine took 44 s to build against 37 s: its extra 7 s are its compile's.
+INT8_COMPILE_S = 47.5     # the int8 engine's compile with its Triton kernel's autotuning (H100, measured);
+#                           the other formats are inductor's alone, charged COMPILE_S.
 #                           Both are charged to every compiled engine whatever its size (inductor's work
 #                           grows with the kernels and graphs, not the weights): an upper bound for small
 #                           models, and for a second engine of the same shapes (dynamo's cache may hit).
@@ -130,8 +131,10 @@ BUILD_S_PER_GB = 5.5 / 16.06  # the rest of the 37 s: making 16 GB of weights an
 WEIGHT_FRACTION = 3.78 / 6.09  # the batch-1 graph replay took 6.09 ms against 3.78 ms of weight bytes
 HOST_S = 0.67e-3          # the compiled step's host work beside its replay (6.76 - 6.09 ms)
 ATTENTION_FRACTION = 0.052   # batch 1 -> 64 at a 512 context added 19.3 ms for 4.2 GB more KV: 219 GB/s
-EAGER_LAYER_S = 24.2e-3 / 32  # the eager step at batch 1 took 24.2 ms: the host launching 32 layers' kernels
-PREFILL_FRACTION = 0.5    # of the matmul roof, for prefill chunks (assumed: not measured yet)
+EAGER_LAYER_S = 29.3e-3 / 32  # the eager step at batch 1: 29.3 ms on the H100 (24.2 on the H200), the host
+#                               launching 32 layers' kernels
+PREFILL_FRACTION = 0.5    # of the matmul roof, for prefill chunks (assumed: the H100's 512-token prefill,
+#                           34.7 ms, sat on the eager floor above, not on the roof)
 
 
 @dataclass
@@ -265,7 +268,7 @@ def build_seconds(o) -> float:
     """An engine's start-up: its weights and pool made on the device, its compile if any."""
     t = max(1.0, weight_bytes(o) / 1e9 * BUILD_S_PER_GB)
     if o.get("compile"):
-        t += INT8_COMPILE_S if o.get("quantization") else COMPILE_S
+        t += INT8_COMPILE_S if o.get("quantization") == "int8" else COMPILE_S   # int8: Triton autotunes
     return t
 
 
