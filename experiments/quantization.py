@@ -41,7 +41,11 @@ WORKLOAD = {"cpu": dict(big=16, context=128, steps=10, tokens=100000,
             "cpu-quick": dict(big=4, context=16, steps=3, tokens=128,
                               configs=[("float", {}), ("bfloat16", dict(dtype="bfloat16")), *FORMATS,
                                        ("int8 weights + int8 KV", INT8_KV)]),
-            "gpu": dict(big=16, context=512, steps=10, tokens=100000, configs=[("float", {}), *FORMATS]),
+            # GPU: AWQ decodes through int4's product on int4's bytes (its scales are folded into the
+            # norms), so its speed is int4's by construction: its row times nothing and reports int4's,
+            # with its own perplexity (one compile and an 8B calibration fewer)
+            "gpu": dict(big=16, context=512, steps=10, tokens=100000, configs=[("float", {}), *FORMATS],
+                        same_speed={"awq int4 weights": "int4 weights"}),
             "gpu-quick": dict(big=16, context=512, steps=5, tokens=100000,
                               configs=[("float", {}), ("int4 weights", INT4)])}
 
@@ -108,16 +112,21 @@ def outlier_columns(model: torch.nn.Module, token_ids: list[int], window: int = 
     return {k: tuple(sum(x) / len(v) for x in zip(*v)) for k, v in seen.items()}
 
 
-def one_config(b, w, name, opts) -> dict:
-    """A config's bytes and decode tokens/s at batch 1 and `big`, then its perplexity."""
-    llm = b.llm(**opts)
-    t1 = decode_step_seconds(b, llm, 1, w.context, w.steps)
-    tb = decode_step_seconds(b, llm, w.big, w.context, w.steps)
-    c = {"name": name, "dtype": str(llm.dtype)[6:], "weight_bytes": decode_weight_bytes(llm.model),
-         "kv_bytes_per_token": llm.cache.bytes_per_token, "compiled": llm.decoder is not None,
-         "tokens_per_s_batch1": 1 / t1, f"tokens_per_s_batch{w.big}": w.big / tb, "perplexity": None}
+def one_config(b, w, name, opts, timed: dict | None = None) -> dict:
+    """A config's bytes and decode tokens/s at batch 1 and `big` (or, given `timed`, that row's: the
+    same product on the same bytes), then its perplexity."""
+    if timed is None:
+        llm = b.llm(**opts)
+        t1 = decode_step_seconds(b, llm, 1, w.context, w.steps)
+        tb = decode_step_seconds(b, llm, w.big, w.context, w.steps)
+        c = {"name": name, "dtype": str(llm.dtype)[6:], "weight_bytes": decode_weight_bytes(llm.model),
+             "kv_bytes_per_token": llm.cache.bytes_per_token, "compiled": llm.decoder is not None,
+             "tokens_per_s_batch1": 1 / t1, f"tokens_per_s_batch{w.big}": w.big / tb, "perplexity": None}
+    else:
+        llm, c = None, {**{k: v for k, v in timed.items() if not k.startswith(("perplexity", "outlier"))},
+                        "name": name, "timed_as": timed["name"], "perplexity": None}
     if trained(b.quality_path):
-        if b.quality_path != b.path:          # the same settings on the quality model, eager (no step is timed)
+        if b.quality_path != b.path or llm is None:   # the same settings on the quality model, eager (untimed)
             del llm
             q = {k: v for k, v in opts.items() if k in ("dtype", "quantization", "kv_cache_dtype")}
             llm = b.llm(path=b.quality_path, max_num_seqs=1, compile=False, pool_tokens=4096, share=False, **q)
@@ -131,9 +140,11 @@ def one_config(b, w, name, opts) -> dict:
 def run(b):
     w = b.sizes(WORKLOAD)
     fig = {"configs": [], "quality_model": b.quality_path}
+    same = getattr(w, "same_speed", {})
     for name, opts in configs(b.scale, w):
         b.progress(f"quantization: {name}")
-        fig["configs"].append(one_config(b, w, name, opts))
+        timed = next((c for c in fig["configs"] if c["name"] == same.get(name)), None)
+        fig["configs"].append(one_config(b, w, name, opts, timed))
     base = fig["configs"][0]
     params = base["weight_bytes"] / torch.finfo(getattr(torch, base["dtype"])).bits * 8   # values, about
     for c in fig["configs"]:
@@ -152,6 +163,8 @@ def run(b):
                 "engine's paged path. LLM.int8() outlier columns (|x| > 6) per kind of linear, in a 512-token "
                 "window / in one token's row: " + ", ".join(f"{k} {100 * a:.2f}% / {100 * t:.3f}%" for k, (a, t)
                                                             in base["outlier_columns"].items()) + ".")
+    said += "".join(f" {c['name']}: the speed of {c['timed_as']} (the same product on the same bytes; "
+                    "not timed again)." for c in fig["configs"] if "timed_as" in c)
     return fig, (f"Decode steps at a {w.context}-token context. {said}\n\n" +
                  table(["weights", "activations", "weight MB/step", "vs bf16", "vs float32", "KV B/token",
                         "tokens/s batch 1", "vs float", f"tokens/s batch {w.big}", "perplexity", "vs float"], rows))
@@ -160,6 +173,8 @@ def run(b):
 def plan(s):
     w, phases = s.sizes(WORKLOAD), []
     for name, o in configs(s, w):
+        if name in getattr(w, "same_speed", {}):
+            continue                                 # timed as another row: nothing built
         work = [prefill(o, (1 + w.big) * w.context, w.context / 2), decode(o, 2 * (w.steps + 3), 1, w.context),
                 decode(o, w.steps + 3, w.big, w.context)]
         # the float row on the kept standard engine, each int8 row beside it (the standard one stays built)

@@ -1106,3 +1106,14 @@ def test_a_new_user_runs_check_and_quick_to_the_end(tmp_path):
     assert all(c["perplexity"] is None for c in r["quantization"]["configs"]) and "error" not in r["roofline"]
     assert p.stderr.count("matplotlib is not installed: tables only") == 1
     assert "plot" not in r["roofline"] and "needs the default model" in p.stdout
+
+
+def test_gpu_quantization_times_awq_as_int4_and_builds_no_engine_for_it():
+    """On a GPU AWQ's decode is int4's product on int4's bytes: its row is not timed again (one
+    compile and an 8B calibration fewer), so the plan builds one engine per timed format only."""
+    from experiments import quantization
+    s = Scale(True, False, "random:llama-3.1-8b", default_model_path())
+    built = plan.plan_run({"quantization": quantization}, s, None)[0]["built"]
+    timed = [n for n, _ in quantization.configs(s, s.sizes(quantization.WORKLOAD))]
+    assert "awq int4 weights" in timed and "int4 weights" in timed
+    assert built == len(timed) - 1, f"{built} engines built for {timed}: AWQ's row needs none"
