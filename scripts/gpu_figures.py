@@ -252,9 +252,52 @@ def profile(llm, args):
     print(table[:6000], flush=True)
 
 
+# --- continuous -------------------------------------------------------------------
+def stage_continuous(args):
+    """Where the continuous-vs-static run's time goes (bench's workload, 16 seats): every forward
+    timed (synchronized) by kind, decode-only (the CUDA graph) or mixed (a prefill chunk beside
+    decodes: the eager model), with its prefill tokens."""
+    from types import SimpleNamespace
+
+    from experiments.common import seats, workload
+    from sampler import SamplingParams
+    llm, _ = engine(args)
+    b = SimpleNamespace(sizes=lambda table: SimpleNamespace(**table["gpu"]))
+    prompts, lengths = workload(b, llm.config.vocab_size)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    forward, steps = llm._forward, []
+
+    def timed(batch, rows):
+        sync()
+        t0 = time.perf_counter()
+        out = forward(batch, rows)
+        sync()
+        steps.append((max(it.count for it in batch) > 1, sum(it.count for it in batch if it.count > 1),
+                      len(batch), time.perf_counter() - t0))
+        return out
+    llm._forward, result = timed, {}
+    with seats(llm, 16):
+        llm.generate([prompts[0]], params[0])                                   # warm-up
+        for name, groups in (("static", [range(i, i + 16) for i in range(0, len(prompts), 16)]),
+                             ("continuous", [range(len(prompts))])):
+            steps.clear()
+            t0 = time.perf_counter()
+            for g in groups:
+                llm.generate([prompts[i] for i in g], [params[i] for i in g])
+            wall = time.perf_counter() - t0
+            kinds = {kind: [s for s in steps if s[0] == mixed] for kind, mixed in (("decode", False), ("mixed", True))}
+            result[name] = {"wall_s": wall, "forward_s": sum(s[3] for s in steps), **{
+                kind: {"steps": len(v), "seconds": sum(s[3] for s in v), "prefill_tokens": sum(s[1] for s in v),
+                       "median_ms": 1e3 * statistics.median([s[3] for s in v]) if v else None,
+                       "max_ms": 1e3 * max([s[3] for s in v], default=0)} for kind, v in kinds.items()}}
+            save(args.out, f"continuous_{name}", result[name])
+    llm._forward = forward
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["probe", "decode", "int8"])
+    ap.add_argument("stage", choices=["probe", "decode", "int8", "continuous"])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     ap.add_argument("--preset", default="llama-3.1-8b")
     ap.add_argument("--context", type=int, default=128)
@@ -270,6 +313,8 @@ def main():
         stage_probe(args)
     elif args.stage == "decode":
         stage_decode(args)
+    elif args.stage == "continuous":
+        stage_continuous(args)
     else:
         args.tag = "int8_"
         stage_decode(args)
