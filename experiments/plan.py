@@ -19,6 +19,7 @@ The constants are measurements, each with its source below; the plan is a plan, 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from cache import kv_cache_bytes
-from model import load_model, model_flops_per_token
+from model import load_model, model_flops_per_token, random_weights
 from quantize import int8_kv_cache_bytes, quantize_model
 from support.checkpoint import RANDOM_PREFIX
 from support.checks import resolve_device_dtype
@@ -189,12 +190,23 @@ _WEIGHTS: dict = {}
 def _weight_bytes(path, dtype, quantization) -> int:
     key = (path, dtype, quantization)
     if key not in _WEIGHTS:
-        model, _ = load_model(path, device="meta", dtype=dtype)
-        if quantization:
-            quantize_model(model, "int4" if quantization == "awq" else quantization)   # awq: int4's bytes
-        unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}   # a tied head once
-        _WEIGHTS[key] = sum(t.nbytes for t in unique.values())
+        if not quantization:
+            _WEIGHTS[key] = _meta_bytes(load_model(path, device="meta", dtype=dtype)[0])
+        else:   # quantized on the meta device, 1 and 2 layers deep (every layer has one shape): fast, exact
+            cfg = load_model(path, device="meta", dtype=dtype)[1]
+            one, two = (_meta_bytes(quantize_model(_meta_model(cfg, n, dtype), "int4" if quantization == "awq"
+                                                   else quantization)) for n in (1, 2))   # awq: int4's bytes
+            _WEIGHTS[key] = one + (cfg.n_layers - 1) * (two - one)
     return _WEIGHTS[key]
+
+
+def _meta_model(cfg, n_layers: int, dtype):
+    return random_weights(dataclasses.replace(cfg, n_layers=n_layers), device="meta", dtype=dtype)[0]
+
+
+def _meta_bytes(model) -> int:
+    unique = {id(t): t for t in list(model.parameters()) + list(model.buffers())}   # a tied head once
+    return sum(t.nbytes for t in unique.values())
 
 
 def memory(o, context: int) -> dict:
