@@ -102,7 +102,7 @@ class KVCache:
 
 
 # KVCache.write's one in-place write into the pool, a custom op that declares what it
-# mutates: torch.compile (kernels.py) functionalizes in-place updates of its
+# mutates: torch.compile (graphs.py) functionalizes in-place updates of its
 # inputs, so a bare index_copy_ would copy the whole pool at every write.
 @torch.library.custom_op("nanoinfer::store_rows", mutates_args=("dst",))
 def store_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
@@ -171,7 +171,7 @@ class AttentionContext:
     @classmethod
     def build(cls, cache: KVCache, block_manager: "BlockManager", work, logits_rows, device):
         """input_ids[N], positions[N] and a context for `work` (as flatten_step's): the
-        simple builder (tests, bench.py); the engine's fast one is kernels.StepInputs."""
+        simple builder (tests, bench.py); the engine's fast one is graphs.StepInputs."""
         apply_pending_copies(cache, block_manager)
         tables = pad_sequence([torch.tensor(block_manager.tables[w[0]]) for w in work],
                               batch_first=True)                                # [B, W]
@@ -184,7 +184,7 @@ class AttentionContext:
         return on_device(ids), on_device(positions), ctx
 
 
-# --- One step's work as one flat batch (AttentionContext.build, kernels.StepInputs)
+# --- One step's work as one flat batch (AttentionContext.build, graphs.StepInputs)
 def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
     """The scheduled work as the model's flat batch of N tokens (numpy int64, no
     Python loop over tokens). work: (seq_id, token ids fed, first position, ...)
@@ -228,7 +228,7 @@ class BlockManager:
         # seq -> (leading blocks registered in the prefix cache, hash of the last):
         # cache_full_blocks resumes there instead of rehashing the whole sequence.
         self.hashed: dict[int, tuple[int, int | None]] = {}
-        # Sequences whose table changed since the engine last looked: kernels.StepInputs
+        # Sequences whose table changed since the engine last looked: graphs.StepInputs
         # refreshes only their rows of its table array (and empties the set).
         self.changed: set[int] = set()
         # Sliding window (W or None): reserve() points freed entries at the null block, held by

@@ -7,7 +7,7 @@ changes every step, and each step is one of the earlier files:
     1. schedule   Scheduler.schedule() (scheduler.py): which sequences run,
                   how many tokens each, their KV blocks reserved (cache.py)
     2. forward    one Transformer.forward (model.py) over all N scheduled
-                  tokens, as a flat batch; compiled (kernels.py) or split over
+                  tokens, as a flat batch; compiled (graphs.py) or split over
                   devices (parallel.py)
     3. sample     sampler.py picks each sequence's token (or judges its
                   drafts, speculative.py), with ONE wait for the device
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import BlockManager, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
-from kernels import CompiledDecoder, StepInputs
+from graphs import CompiledDecoder, StepInputs
 from model import default_model_path, load_model
 from parallel import TensorParallelError, TensorParallelGroup
 from quantize import int8_kv_cache_bytes, make_kv_cache, quantize_model
@@ -89,7 +89,7 @@ class EngineConfig:
     kv_cache_dtype: str | None = option(None, "int8: the KV pool stores int8 and a scale per "
                                         "token and head (quantize.py)", choices=(None, "int8"))
     compile: bool = option(False, "steps of <= k + 1 tokens per sequence through torch.compile, "
-                           "padded to buckets (kernels.py; CUDA graphs on a GPU)")
+                           "padded to buckets (graphs.py; CUDA graphs on a GPU)")
     speculative: str | None = option(None, "'ngram' (prompt lookup) or a draft model directory "
                                      "(speculative.py)")
     num_speculative_tokens: int = option(4, "drafts per step (k)", ge=1, le=MAX_SPECULATIVE_TOKENS)
@@ -144,7 +144,7 @@ class LLM:
             reserve = compiled_step_reserve(self.model, self.config, c, max_query_len)
         # The KV pool takes the memory the weights left, in blocks of the lecture's
         # bytes per token (make_kv_pool): it bounds the batch AND the longest sequence.
-        scratch = 1 if c.compile else 0    # kernels.py: padded rows write a block no one owns
+        scratch = 1 if c.compile else 0    # graphs.py: padded rows write a block no one owns
         allocate = None
         if self.tp is not None:            # every rank allocates its slice of the pool
             allocate = lambda n: self.tp.allocate_cache(n, c.block_size, c.kv_cache_dtype)  # noqa
@@ -454,7 +454,7 @@ def make_kv_pool(cfg, c: EngineConfig, scratch: int = 0, allocate=None, reserve:
     serving: every byte given to the KV cache is more concurrent context. With tensor
     parallelism cfg is one rank's shard and allocate(num_blocks) makes every rank's pool:
     the same budget per device holds N times the tokens. `scratch` blocks more are a
-    compiled step's padding (kernels.py); `reserve`: bytes it keeps beside the pool."""
+    compiled step's padding (graphs.py); `reserve`: bytes it keeps beside the pool."""
     device, dtype = torch.device(c.device), c.dtype
     int8 = c.kv_cache_dtype == "int8"
     # bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value (+ scales)
@@ -497,7 +497,7 @@ def compiled_step_reserve(model, cfg, c: EngineConfig, max_query_len: int) -> in
 def make_compiled_decoder(model, cache, c: EngineConfig, max_len: int, scratch_block: int,
                           max_query_len: int = 1):
     """compile=True: steps of <= max_query_len tokens per sequence through torch.compile
-    (kernels.py), every bucket compiled now rather than in the middle of serving."""
+    (graphs.py), every bucket compiled now rather than in the middle of serving."""
     decoder = CompiledDecoder(model, cache, c.max_num_seqs, -(-max_len // c.block_size),
                               scratch_block, (1, max_query_len))
     seconds = decoder.warmup()

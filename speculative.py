@@ -129,7 +129,7 @@ class NgramDrafter:
 class ModelDrafter:
     """A smaller model with the same tokenizer drafts k tokens autoregressively. It keeps
     its own paged KV cache (its own BlockManager over the same sequence ids), so each draft
-    step feeds only new tokens, through the engine's vectorized kernels.StepInputs
+    step feeds only new tokens, through the engine's vectorized graphs.StepInputs
     (make_inputs(block_manager)). After the target verifies, rollback() truncates the
     draft cache to the surviving tokens, as the engine truncates the target's."""
 

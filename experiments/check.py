@@ -20,7 +20,7 @@ import traceback
 import torch
 
 import kernels
-from kernels import dynamic, size_oblivious
+from graphs import dynamic, size_oblivious
 from model import load_model
 from quantize import FUSED_ROWS, Int8KVCache, Int8Linear, quantize_model
 from sampler import SamplingParams
@@ -85,7 +85,7 @@ def reference(b, **kw):
 
 def check_compiled(b):
     if b.device.type != "cuda":
-        return "skipped: CPU", "CUDA graphs need a GPU (tests/test_kernels.py runs the compiled step on CPU)"
+        return "skipped: CPU", "CUDA graphs need a GPU (tests/test_graphs.py runs the compiled step on CPU)"
     kw = dict(path=b.quality_path, dtype="float32", max_num_seqs=4, pool_tokens=2048)
     prompts, ref, ref_tap = reference(b, compile=False, **kw)
     comp = b.llm(compile=True, **kw)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import batched_paged_attention, dynamic, layer_cache, paged_attention_in_place, size_oblivious
+from graphs import dynamic, layer_cache, size_oblivious
+from kernels import batched_paged_attention, paged_attention_in_place
 from quantize import decode_weight_bytes
 from sampler import SamplingParams
 from support.timing import device_sync, median_seconds
@@ -24,7 +25,7 @@ from experiments.plan import Phase, decode, prefill
 
 NAME = "compile"
 # The smoke run compiles batch 1 only: each compiled graph costs ~20 s cold on a 2-core CPU
-# (batch 1 and batch > 1 are two graphs there, see kernels.py). On a GPU: the standard engine.
+# (batch 1 and batch > 1 are two graphs there, see graphs.py). On a GPU: the standard engine.
 WORKLOAD = {"cpu": dict(batches=[1, 16], context=128, steps=10, check=32, engine=dict(max_num_seqs=16)),
             "cpu-quick": dict(batches=[1], context=16, steps=3, check=8, engine=dict(max_num_seqs=1)),
             "gpu": dict(batches=[1, 16], context=512, steps=10, check=32, engine={}),

@@ -155,7 +155,7 @@ def start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
 def decode_steps(llm, batch: int, context: int, steps: int) -> dict:
     """Median engine step (schedule + compiled step + sample) and median graph replay alone, at
     `batch` sequences decoding past ~`context` tokens."""
-    from kernels import bucket
+    from graphs import bucket
     ids = start_decoding(llm, batch, context, steps + 8)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(3):
@@ -233,7 +233,7 @@ def profile(llm, args):
     """One compiled step, NOT replayed from its graph (the profiler sees each kernel): CUDA time
     per kernel, summed by name, into profile.txt."""
     from torch.profiler import ProfilerActivity
-    from kernels import bucket
+    from graphs import bucket
     d, cuda = llm.decoder, torch.cuda.is_available()
     key = (1, 1, bucket(-(-(args.context + 64) // llm.block_manager.block_size), d.widths))
     step = d.scratch_step(key)

@@ -1,6 +1,6 @@
 """tests/cuda_sim.py -- CUDA graphs on a CPU: a capture simulator (test support, not a test file).
 
-What it proves: kernels.CompiledDecoder's CUDA-only code (_record, _run, warmup with every
+What it proves: graphs.CompiledDecoder's CUDA-only code (_record, _run, warmup with every
 bucket, biggest first; Staging's pinned buffer and its event) does on a GPU what its CPU
 path does, without a GPU. Inside `simulate_cuda()`:
 
@@ -35,6 +35,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import graphs
 import kernels
 
 Tag = torch.Tag
@@ -222,10 +223,11 @@ def _no_pin(original):
 
 @contextlib.contextmanager
 def simulate_cuda(backend: str = "aot_eager"):
-    """Run kernels.py's CUDA paths on CPU tensors; yields the Simulator (graphs, replays, events)."""
+    """Run kernels.py's and graphs.py's CUDA paths on CPU tensors; yields the Simulator (graphs, replays, events)."""
     sim = Simulator()
     patches = [mock.patch.object(kernels, "on_cuda", lambda device: True),
-               mock.patch.object(kernels, "BACKEND", backend),
+               mock.patch.object(graphs, "on_cuda", lambda device: True),
+               mock.patch.object(graphs, "BACKEND", backend),
                mock.patch.object(torch.cuda, "CUDAGraph", sim.new_graph),
                mock.patch.object(torch.cuda, "graph", sim.capture),
                mock.patch.object(torch.cuda, "synchronize", sim.synchronize),

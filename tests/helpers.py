@@ -82,3 +82,18 @@ def assert_dense_prompt_logprobs(model, ids, got, k):
         values, indices = ref[i - 1].topk(k)
         assert list(top) == indices.tolist(), f"prompt position {i}: the top-{k} ids"
         assert list(top.values()) == pytest.approx(values.tolist(), abs=tol[i - 1].item())
+
+
+def run_staggered(llm, prompts, params):
+    """Requests join at different steps, finish at different lengths."""
+    ids, outs, step = {}, {}, 0
+    pending = list(enumerate(prompts))
+    while pending or llm.has_unfinished_requests():
+        if pending and step % 2 == 0:
+            i, p = pending.pop(0)
+            ids[llm.add_request(p, params[i])] = i
+        for o in llm.step():
+            if o.finished:
+                outs[ids[o.request_id]] = o.token_ids
+        step += 1
+    return [outs[i] for i in range(len(prompts))]

@@ -525,7 +525,7 @@ def test_percentile_is_nearest_rank():
 # -- the measurement helpers ---------------------------------------------------------------------------
 
 def test_timer_warms_up_untimed_and_takes_the_median(monkeypatch):
-    """support/timing.py, the one timer of bench.py and kernels.py: warm-up
+    """support/timing.py, the one timer of bench.py and graphs.py: warm-up
     calls run but are not timed, the device is synchronized after every timed
     call, and one slow outlier does not move the figure (the median)."""
     from support import timing

@@ -1,4 +1,4 @@
-"""Assignment: kernels.py -- the compiled decode path.
+"""Assignment: kernels.py -- attention over the paged cache, vectorized and compiled.
 
 To pass, implement:
   * batched_paged_attention: the vectorized paged attention for up to Q new
@@ -16,45 +16,29 @@ To pass, implement:
     block, which the mask hides), equal to model.dense_causal_attention(window=W); an engine
     with a window (eager, compiled, CUDA graphs) gives the dense windowed model's greedy tokens,
     and a 4,096-token sequence with W = 256 holds at most 17 blocks of 16;
-  * StepInputs + StepContext: any mix of prefill chunks (with or without a
-    cached prefix), decodes and k+1-token verifications in one step, as a few
-    query-length groups, equal to cache.paged_attention;
-  * batch_buckets / width_buckets / bucket: the padded shapes;
-  * CompiledDecoder: one transformer block and the LM head compiled ONCE with
-    symbolic sizes, serving every layer, batch, width and query length;
-    padded rows and padded queries write only into the scratch block; after
-    warm-up no step compiles anything new; LLM(compile=True) gives exactly the
-    tokens of the eager engine, with speculative verification steps too;
-    int8 weights through the compiled (fused) product equal float32 arithmetic;
-    with backend="aot_eager" (no inductor pass) every step equals eager too;
-  * the CUDA path, through the capture simulator (tests/cuda_sim.py): warm-up records
-    every bucket as one graph in one shared pool, each step is a replay equal to the
-    eager step; a decoder that skips a static buffer or reads a graph's own output
-    fails; warming up again writes only the scratch block; the pinned staging buffer
-    waits on an event before each refill;
+  * StepContext: any mix of prefill chunks (with or without a cached prefix), decodes and
+    k+1-token verifications in one step (built by graphs.StepInputs), as a few query-length
+    groups, equal to cache.paged_attention; LLM(compile=True) (graphs.py) then gives exactly
+    the eager engine's tokens;
   * on CUDA (given): the compiled step's attention over a plain pool is one Triton kernel,
     kernels.paged_decode (flash-decoding through the block table); it equals
-    paged_attention_in_place, here through Triton's interpreter when triton is installed;
-  * choose_weight_layout (support/timing.py, built with the compiled path):
-    the same function, another memory layout of the weights, one layer at a time;
-    support.timing.step_memory: the largest bucket's peak, measured.
+    paged_attention_in_place, here through Triton's interpreter when triton is installed.
+The compiled step around these (buckets, staging, CUDA graphs) is tests/test_graphs.py's.
 Compilation is kept cheap: 2- and 3-layer models, max_num_seqs 4, and an
 inductor cache in the test's temporary folder.
 """
 import random
 
-import numpy as np
 import pytest
 import torch
-from helpers import tiny_config, tiny_model
+from helpers import run_staggered, tiny_config, tiny_model
 
 from cache import KVCache, paged_attention
-from cache import AttentionContext, BlockManager
-from kernels import (CompiledDecoder, QueryGroup, StepContext, StepInputs, batch_buckets, batched_paged_attention,
-                     bucket, paged_attention_in_place, size_oblivious, width_buckets)
+from cache import BlockManager
+from graphs import StepInputs, size_oblivious
+from kernels import batched_paged_attention, paged_attention_in_place
 from quantize import Int8KVCache
 from scheduler import LLM, SamplingParams
-from support.timing import choose_weight_layout
 
 
 @pytest.fixture(autouse=True)
@@ -143,7 +127,7 @@ def test_compiled_in_place_attention_equals_reference():
     layer, decode (Q = 1) and ragged verification (Q = 3) batches, and equals
     the reference. (The float cache's compiled attention is held to the
     reference by every compiled-step test below.)"""
-    from kernels import dynamic, layer_cache
+    from graphs import dynamic, layer_cache
     from torch._dynamo.utils import counters
     compiled = torch.compile(paged_attention_in_place, fullgraph=True)
     graphs = counters["stats"]["unique_graphs"]
@@ -299,102 +283,6 @@ def test_windowed_attention_equals_dense_windowed_reference(block_size, n_heads,
         assert freed and uniform, "the steps freed blocks out of the window and had a decode-only step"
 
 
-def test_buckets():
-    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert batch_buckets(5) == [1, 2, 4, 8]
-    assert batch_buckets(1) == [1]
-    assert width_buckets(3) == [2, 4] and width_buckets(1) == [2] and width_buckets(512)[-1] == 512
-    assert bucket(3, [1, 2, 4]) == 4 and bucket(4, [1, 2, 4]) == 4
-    with pytest.raises(ValueError):
-        bucket(5, [1, 2, 4])
-
-
-@pytest.mark.needs("model")
-def test_transposed_layout_computes_the_same_function(monkeypatch):
-    import support.timing
-    ids, pos = torch.randint(0, 512, (9,)), torch.arange(9)
-    ref = tiny_model(seed=3, attention_bias=True)(ids, pos)
-    assert choose_weight_layout(tiny_model(seed=3)) in ("default", "transposed")   # measured: either is legitimate
-    model = tiny_model(seed=3, attention_bias=True)                 # tied embeddings
-    times = iter([1.0, 0.5])                                        # force it: [in, out] measured 2x faster
-    monkeypatch.setattr(support.timing, "median_seconds", lambda fn, **kw: (fn(), next(times))[1])
-    assert choose_weight_layout(model) == "transposed"
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            assert m.weight.stride() == (1, m.weight.shape[0]), f"{name}: the [out, in] weight must be stored [in, out]"
-    assert model.embed_tokens.weight.is_contiguous(), "the embedding table keeps its layout (the head got a copy)"
-    torch.testing.assert_close(model(ids, pos), ref, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
-def test_compiled_step_pads_into_scratch_and_compiles_once():
-    """A decode step (batch 3, padded to 4) and a ragged verification step
-    (1-3 tokens per sequence, padded to Q = 3) through the compiled step of
-    a 3-layer model: real blocks change only at the step's slots, the
-    logits equal cache.py's per-sequence reference, and ONE block graph (plus
-    the LM head's) serves every layer, both query lengths and both batches."""
-    from torch._dynamo.utils import counters
-    model = tiny_model(seed=4, n_layers=3)              # a shape no other test compiles
-    cache = KVCache(model.config, 9, 4, "cpu", torch.float32)
-    torch.manual_seed(0)
-    cache.k.normal_(), cache.v.normal_()     # made outside inference mode, as LLM makes it
-    graphs = counters["stats"]["unique_graphs"]
-    dec = CompiledDecoder(model, cache, max_num_seqs=4, max_blocks_per_seq=4, scratch_block=8, query_sizes=(1, 3))
-    tables = [[0, 1], [2], [3, 4, 5]]
-    for query_lens, seq_lens in (([1, 1, 1], [7, 3, 10]), ([3, 1, 2], [7, 3, 10])):
-        positions = [p for n, m in zip(seq_lens, query_lens) for p in range(n - m, n)]
-        slots = [t[p // 4] * 4 + p % 4 for t, n, m in zip(tables, seq_lens, query_lens) for p in range(n - m, n)]
-        tokens = [5 + i for i in range(len(slots))]
-        before_k, before_v = cache.k.clone(), cache.v.clone()
-        with torch.inference_mode():                                # as the engine runs it
-            logits = dec(tokens, positions, slots, padded(tables), query_lens)
-        assert logits.shape == (len(slots), model.config.vocab_size)
-        changed = (cache.k != before_k).any(-1).any(-1).any(0).flatten()    # per slot
-        changed_slots = set(torch.nonzero(changed[:8 * 4]).flatten().tolist())
-        assert changed_slots == set(slots), f"real blocks changed at {changed_slots}, expected only {slots}"
-        # the reference: the same step from the same cache state through cache.py's
-        # per-sequence loop (not the kernel under test)
-        cache.k.copy_(before_k), cache.v.copy_(before_v)
-        ctx = AttentionContext(cache, torch.tensor(slots), torch.tensor([t + [8] * (3 - len(t)) for t in tables]),
-                               seq_lens, query_lens)
-        with torch.inference_mode():
-            ref = model(torch.tensor(tokens), torch.tensor(positions), ctx)
-        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4, msg=f"query lengths {query_lens}")
-    assert dec.steps == {1: 1, 3: 1}
-    assert counters["stats"]["unique_graphs"] - graphs == 2, "one graph for the block, one for the LM head"
-
-
-def padded(tables, fill=8):
-    """Block tables (lists) as the rows of one array, padded with a valid block
-    (8: the compiled tests' scratch block); attention masks what is past a sequence."""
-    width = max(map(len, tables))
-    return np.array([t + [fill] * (width - len(t)) for t in tables])
-
-
-def decode_step(model, cache, tokens, positions, slots, tables):
-    """One eager decode step (one new token per sequence) from Python lists,
-    through kernels.StepContext (the engine builds its inputs with StepInputs)."""
-    as_tensor = lambda x: torch.as_tensor(x, dtype=torch.long)   # noqa: E731
-    group = QueryGroup(None, as_tensor(padded(tables)), as_tensor(positions) + 1, None)
-    return model(as_tensor(tokens), as_tensor(positions), StepContext(cache, as_tensor(slots), [group]))
-
-
-def _run_staggered(llm, prompts, params):
-    """Requests join at different steps, finish at different lengths."""
-    ids, outs, step = {}, {}, 0
-    pending = list(enumerate(prompts))
-    while pending or llm.has_unfinished_requests():
-        if pending and step % 2 == 0:
-            i, p = pending.pop(0)
-            ids[llm.add_request(p, params[i])] = i
-        for o in llm.step():
-            if o.finished:
-                outs[ids[o.request_id]] = o.token_ids
-        step += 1
-    return [outs[i] for i in range(len(prompts))]
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.assignment("decode-attention")
 @pytest.mark.needs("engine")
@@ -403,370 +291,14 @@ def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     prompts = [[5, 6, 7], list(range(100, 130)), [42] * 5, list(range(7, 20)), [9, 8, 7, 6], [300, 301]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 7, 15, 3, 25, 11)]
     kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 22, block_size=4)
-    eager = _run_staggered(LLM(tiny_path, **kw), prompts, params)
+    eager = run_staggered(LLM(tiny_path, **kw), prompts, params)
     llm = LLM(tiny_path, compile=True, **kw)
     assert llm.decoder is not None and llm.compile_seconds > 0
     graphs = counters["stats"]["unique_graphs"]
-    compiled = _run_staggered(llm, prompts, params)
+    compiled = run_staggered(llm, prompts, params)
     assert compiled == eager, "compiled decode changed a greedy output"
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled after warm-up"
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.needs("decode-attention", "int8", "rmsnorm-rope", "kv-cache-bytes")
-def test_compiled_int8_bf16_step_matches_eager():
-    """int8 weights with bf16 activations (the CPU int8 kernel) through the
-    compiled step. bf16 is not bit-exact across fusion (inductor keeps fused
-    intermediates in float32), so both paths are held to the same float32
-    computation instead: the compiled step may err no more than the eager one."""
-    import copy
-
-    from quantize import quantize_model
-    model = quantize_model(tiny_model(seed=5).to(torch.bfloat16))
-    exact = copy.deepcopy(model).float()                  # same int8 weights, float32 arithmetic
-    cache = KVCache(model.config, 9, 4, "cpu", torch.bfloat16)
-    torch.manual_seed(0)
-    cache.k.normal_(), cache.v.normal_()
-    cache32 = KVCache(model.config, 9, 4, "cpu", torch.float32)
-    cache32.k.copy_(cache.k), cache32.v.copy_(cache.v)
-    tables, positions = [[0, 1], [2, 3, 4]], [6, 9]
-    slots = [t[p // 4] * 4 + p % 4 for t, p in zip(tables, positions)]
-    with torch.inference_mode():
-        truth = decode_step(exact, cache32, [5, 6], positions, slots, tables)
-        eager = decode_step(model, cache, [5, 6], positions, slots, tables).float()
-        dec = CompiledDecoder(model, cache, max_num_seqs=2, max_blocks_per_seq=4, scratch_block=8)
-        compiled = dec([5, 6], positions, slots, padded(tables)).float()
-    err = lambda x: ((x - truth).norm() / truth.norm()).item()   # noqa: E731
-    assert err(eager) < 0.03, f"eager bf16 int8 step is {err(eager):.4f} from float32"
-    assert err(compiled) < 1.5 * err(eager), f"compiled {err(compiled):.4f} vs eager {err(eager):.4f} from float32"
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "int8")
-def test_compiled_int8_float32_step_is_float32_arithmetic(monkeypatch):
-    """int8 weights with float32 activations through the compiled step take
-    the fused int8 product (quantize.Int8Linear._fused: the path a GPU's
-    small batches take). Held to an independent computation: the same
-    weights dequantized into ordinary nn.Linear layers, run eagerly through
-    cache.py's reference attention."""
-    import copy
-
-    import quantize
-    model = quantize.quantize_model(tiny_model(seed=5, n_heads=4, n_kv_heads=2))   # a shape of its own
-    truth_model = copy.deepcopy(model)
-    for parent in list(truth_model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, quantize.Int8Linear):
-                lin = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                lin.weight.data = quantize.dequantize_int8(child.weight, child.scale)
-                setattr(parent, name, lin)
-    traced = []
-    fused = quantize.Int8Linear._fused
-    monkeypatch.setattr(quantize.Int8Linear, "_fused", lambda self, x: traced.append(1) or fused(self, x))
-    cache = KVCache(model.config, 9, 4, "cpu", torch.float32)
-    torch.manual_seed(0)
-    cache.k.normal_(), cache.v.normal_()
-    before_k, before_v = cache.k.clone(), cache.v.clone()
-    tables, positions = [[0, 1], [2, 3, 4]], [6, 9]
-    slots = [t[p // 4] * 4 + p % 4 for t, p in zip(tables, positions)]
-    with torch.inference_mode():
-        dec = CompiledDecoder(model, cache, max_num_seqs=2, max_blocks_per_seq=4, scratch_block=8)
-        compiled = dec([5, 6], positions, slots, padded(tables))
-        cache.k.copy_(before_k), cache.v.copy_(before_v)
-        ctx = AttentionContext(cache, torch.tensor(slots), torch.tensor([t + [8] * (3 - len(t)) for t in tables]),
-                               [p + 1 for p in positions], [1, 1])
-        truth = truth_model(torch.tensor([5, 6]), torch.tensor(positions), ctx)
-    assert traced, "the compiled int8 step did not take the fused product"
-    torch.testing.assert_close(compiled, truth, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
-def test_compiled_verification_gives_the_eager_tokens(tiny_path):
-    """Speculative decoding with compile=True: verification steps (k + 1 = 4
-    tokens per sequence, ragged when a drafter finds fewer) run through the
-    compiled step, the greedy tokens are exactly the plain eager engine's,
-    and nothing compiles after warm-up."""
-    from torch._dynamo.utils import counters
-    prompts = [[5, 6, 7, 8] * 5, list(range(100, 110)) * 3, [42] * 5, [9, 8, 7, 6]]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 16, 20, 12)]
-    kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 22, block_size=4)
-    eager = [o.token_ids for o in LLM(tiny_path, **kw).generate(prompts, params)]
-    llm = LLM(tiny_path, compile=True, speculative="ngram", num_speculative_tokens=3, **kw)
-    assert llm.decoder.query_sizes == [1, 4]
-    graphs = counters["stats"]["unique_graphs"]
-    outs = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outs == eager, "compiled verification changed a greedy output"
-    assert llm.decoder.steps[4] > 0, "no verification step went through the compiled path"
-    assert llm.stats["accepted_tokens"] > 0
-    assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled after warm-up"
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-
-
-# ----------------------------------------------------------------------------
-# The CUDA path on a CPU: AOTAutograd without inductor, and CUDA graphs simulated
-# (tests/cuda_sim.py: captures record aten ops, replays re-run them on the same tensors)
-# ----------------------------------------------------------------------------
-SIM_BLOCKS, SIM_BS = 4, 4                 # blocks per sequence, tokens per block; the scratch block is last
-
-
-def _sim_script(seed: int, n_seqs: int, max_q: int, steps: int):
-    """A schedule of compiled steps: per step, (sequence, tokens fed) for a varying subset of
-    sequences (the batch bucket changes), each feeding 1..max_q tokens (decode, ragged
-    verification), never past its SIM_BLOCKS blocks (the width bucket grows to the widest)."""
-    rng, fed, script = random.Random(seed), [0] * n_seqs, []
-    for _ in range(steps):
-        live = [s for s in range(n_seqs) if fed[s] < SIM_BLOCKS * SIM_BS]
-        if not live:
-            break
-        batch = sorted(rng.sample(live, rng.randint(1, len(live))))
-        step = [(s, min(rng.randint(1, max_q), SIM_BLOCKS * SIM_BS - fed[s])) for s in batch]
-        script.append(step)
-        for s, n in step:
-            fed[s] += n
-    return script
-
-
-def _sim_steps(model, cache, script, run, seed=0):
-    """Run the script through run(tokens, positions, slots, tables, query_lens, lens) -> logits
-    (every row's); returns the logits of each step. Sequence s owns blocks s*SIM_BLOCKS...;
-    tables are padded with the scratch block; the token ids are random, not sampled (no feedback)."""
-    rng, fed, outs = random.Random(seed + 1), {}, []
-    for step in script:
-        tokens, positions, slots, tables, qlens, lens = [], [], [], [], [], []
-        for s, n in step:
-            start = fed.get(s, 0)
-            table = [s * SIM_BLOCKS + j for j in range(SIM_BLOCKS)]
-            tokens += [rng.randrange(model.config.vocab_size) for _ in range(n)]
-            positions += list(range(start, start + n))
-            slots += [table[p // SIM_BS] * SIM_BS + p % SIM_BS for p in range(start, start + n)]
-            tables.append(table)
-            qlens.append(n)
-            lens.append(start + n)
-            fed[s] = start + n
-        with torch.inference_mode():
-            outs.append(run(tokens, positions, slots, np.array(tables), qlens, lens).clone())
-    return outs
-
-
-def _sim_compare(model, cache_cls, script, decoder_steps, atol=1e-4):
-    """decoder_steps(cache) -> run function; each step's logits and the real blocks of the cache
-    against the eager reference (cache.py's per-sequence attention through the same model)."""
-    n_blocks = 4 * SIM_BLOCKS + 1
-    ref_cache = cache_cls(model.config, n_blocks, SIM_BS, "cpu", torch.float32)
-    dec_cache = cache_cls(model.config, n_blocks, SIM_BS, "cpu", torch.float32)
-
-    def eager(tokens, positions, slots, tables, qlens, lens):
-        ctx = AttentionContext(ref_cache, torch.tensor(slots), torch.tensor(tables), lens, qlens)
-        return model(torch.tensor(tokens), torch.tensor(positions), ctx)
-    ref = _sim_steps(model, ref_cache, script, eager)
-    got = _sim_steps(model, dec_cache, script, decoder_steps(dec_cache))
-    for i, (a, b) in enumerate(zip(got, ref)):
-        torch.testing.assert_close(a, b, atol=atol, rtol=atol, msg=lambda m, i=i: f"step {i} {script[i]}: {m}")
-    real = 4 * SIM_BLOCKS                         # blocks past it: the scratch block
-    for name, t in vars(ref_cache).items():
-        if isinstance(t, torch.Tensor):
-            torch.testing.assert_close(getattr(dec_cache, name)[:, :real].float(), t[:, :real].float(),
-                                       atol=atol, rtol=atol, msg=lambda m, n=name: f"cache {n}: {m}")
-
-
-def _decoder(model, query_sizes=(1,), warm=True):
-    """decoder_steps for _sim_compare: a CompiledDecoder for 4 sequences of SIM_BLOCKS blocks."""
-    def make(cache):
-        dec = CompiledDecoder(model, cache, max_num_seqs=4, max_blocks_per_seq=SIM_BLOCKS,
-                              scratch_block=4 * SIM_BLOCKS, query_sizes=query_sizes)
-        if warm:
-            dec.warmup()
-        make.decoder = dec
-        return lambda tokens, positions, slots, tables, qlens, lens: dec(tokens, positions, slots, tables, qlens)
-    return make
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
-def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch):
-    """The compiled step is right by the declared semantics of its ops, not by an inductor
-    pass: with backend="aot_eager" (AOTAutograd's functionalization, no re-inplacing), every
-    step of a 2-layer model equals the eager step and leaves the same cache. (Writing into a
-    view OF a graph input, cache.write(0, ...) on a layer's [1, ...] view, lost the K/V of
-    every layer but the first: AOTAutograd rebuilt that view from layer 0's storage offset.)"""
-    import kernels
-    monkeypatch.setattr(kernels, "BACKEND", "aot_eager")
-    model = tiny_model(seed=11)
-    _sim_compare(model, KVCache, _sim_script(0, 4, 1, 8), _decoder(model, warm=False))
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("variant", ["float32", "int8"])
-@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "int8")
-def test_cuda_graph_steps_equal_eager(variant):
-    """Through the capture simulator: warm-up records EVERY (Q, B, W) bucket as one graph,
-    biggest first, in one shared pool, and each step is a replay. Every step's logits and the
-    cache equal the eager steps': decodes and ragged k+1 verifications over changing batch and
-    width buckets; "int8": int8 weights (the fused product) over the int8 KV cache."""
-    from cuda_sim import simulate_cuda
-
-    import quantize
-    model = tiny_model(seed=12)
-    if variant == "int8":
-        model = quantize.quantize_model(model)
-    max_q = 1 if variant == "int8" else 4                 # int8: decode steps only (fewer graphs)
-    with simulate_cuda() as sim:
-        make = _decoder(model, query_sizes=(1, max_q))
-        _sim_compare(model, Int8KVCache if variant == "int8" else KVCache, _sim_script(1, 4, max_q, 8), make)
-    dec = make.decoder
-    assert len(dec.graphs) == len(dec.query_sizes) * len(dec.batch_sizes) * len(dec.widths) == len(sim.graphs)
-    sizes = [k[0] * k[1] * k[2] for k in dec.graphs]
-    assert sizes == sorted(sizes, reverse=True), "recorded biggest first: the shared pool grows once"
-    assert len({g.pool_id for g in sim.graphs}) == 1, "one memory pool shared by every bucket's graph"
-    assert sim.replays >= 8 and sim.syncs >= len(sim.graphs)
-    assert sum(dec.steps.values()) == 8 and (variant == "int8" or dec.steps[4] > 0)
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
-def test_cuda_graph_engine_gives_the_eager_tokens(tiny_path):
-    """The whole engine on the simulated CUDA path: requests join and finish at different steps
-    (prefill chunks run eagerly between replays), n-gram drafts are verified in k + 1 = 4-token
-    replays, and the greedy tokens are the plain eager engine's."""
-    from cuda_sim import simulate_cuda
-    prompts = [[5, 6, 7, 8] * 5, list(range(100, 110)) * 3, [42] * 5, [9, 8, 7, 6]]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 12, 16, 9)]
-    kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 17, block_size=16)
-    eager = _run_staggered(LLM(tiny_path, **kw), prompts, params)
-    with simulate_cuda() as sim:
-        llm = LLM(tiny_path, compile=True, speculative="ngram", num_speculative_tokens=3, **kw)
-        assert len(llm.decoder.graphs) == len(sim.graphs) == 2 * 3 * len(llm.decoder.widths)
-        outs = _run_staggered(llm, prompts, params)
-    assert outs == eager, "the CUDA-graph engine changed a greedy output"
-    assert llm.decoder.steps[1] > 0 and llm.decoder.steps[4] > 0 and sim.replays == sum(llm.decoder.steps.values())
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-
-
-def _forgets_the_static_copy(monkeypatch):
-    """A decoder whose step reads its inputs where this step's copy put them, new tensors each
-    step, instead of copying them into the static buffers a graph was recorded on."""
-    load = CompiledDecoder._load
-
-    def forgetful(self, key, *args):
-        prow = load(self, key, *args)
-        self.ids, self.positions, self.slots, self.tables = (t.clone() for t in
-                                                             (self.ids, self.positions, self.slots, self.tables))
-        self.contexts.clear()                          # this step's views, over this step's tensors
-        return prow
-    monkeypatch.setattr(CompiledDecoder, "_load", forgetful)
-
-
-def _keeps_a_graph_output(monkeypatch):
-    """A decoder that reads a step's logits from a graph's own output (pool memory), not from
-    the static buffer every graph copies its output into."""
-    def keeps(self, key):
-        ids, positions, ctx = self._bucket(key)
-        with size_oblivious():
-            self.logits = type(self.model).forward(self.regions, ids, positions, ctx)
-    monkeypatch.setattr(CompiledDecoder, "_forward", keeps)
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("bug", [_forgets_the_static_copy, _keeps_a_graph_output])
-@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
-def test_cuda_graph_simulator_catches_a_broken_decoder(bug, monkeypatch):
-    """The bugs CUDA graphs add, each invisible on the CPU path (there the same broken decoder
-    equals eager): a step that forgets to copy into a static buffer replays the recorded
-    step's inputs; one that reads a graph's output reads memory other graphs share."""
-    import kernels
-    from cuda_sim import simulate_cuda
-    monkeypatch.setattr(kernels, "BACKEND", "aot_eager")
-    bug(monkeypatch)
-    model, script = tiny_model(seed=13), _sim_script(2, 4, 1, 4)
-    _sim_compare(model, KVCache, script, _decoder(model))            # CPU: no graph, no bug
-    with simulate_cuda(), pytest.raises((AssertionError, IndexError)):   # wrong values, or another graph's shape
-        _sim_compare(model, KVCache, script, _decoder(model))
-
-
-@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
-def test_warmup_again_after_serving_writes_only_the_scratch_block():
-    """serve.py warms the decoder up again in its engine thread. Every graph then replays on
-    what its static inputs hold: after serving, the last real step's slots and tables. Each
-    replay must reload the scratch inputs first: no block a sequence owns may change."""
-    from cuda_sim import simulate_cuda
-    model = tiny_model(seed=14)
-    with simulate_cuda() as sim:
-        make = _decoder(model)
-        _sim_compare(model, KVCache, _sim_script(3, 4, 1, 6), make)    # serve a few steps
-        dec, real = make.decoder, 4 * SIM_BLOCKS
-        torch.manual_seed(0)
-        dec.cache.k.normal_(), dec.cache.v.normal_()                # any write shows
-        before_k, before_v, replays = dec.cache.k.clone(), dec.cache.v.clone(), sim.replays
-        dec.warmup()
-    assert sim.replays - replays == len(dec.graphs), "warm-up again replays every graph (records none)"
-    for after, before in ((dec.cache.k, before_k), (dec.cache.v, before_v)):
-        changed = (after[:, :real] != before[:, :real]).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
-        assert not changed, f"warm-up again wrote into blocks {changed}, which sequences own"
-    assert not torch.equal(dec.cache.k[:, real:], before_k[:, real:]), "the replays wrote the scratch block"
-
-
-def test_cuda_graph_simulator_is_a_strict_capture():
-    """The simulator itself: a capture refuses what needs the host, leaves its inputs as they
-    were and its memory garbage; a replay re-runs the ops on the same tensors; a replay
-    poisons what other graphs of its pool allocated (another pool's stay)."""
-    from cuda_sim import HostSyncError, simulate_cuda
-    x = torch.arange(6.0)
-    with simulate_cuda() as sim:
-        for host in (lambda: x.sum().item(), lambda: x.tolist(), lambda: x.nonzero(), lambda: x[x > 2],
-                     lambda: x.numpy(), lambda: x.cpu(), lambda: torch.randn(3), lambda: torch.cuda.synchronize()):
-            with pytest.raises(HostSyncError), torch.cuda.graph(torch.cuda.CUDAGraph()):
-                host()
-        x.sum().item(), x[x > 2], torch.cuda.synchronize()          # outside a capture: allowed
-        assert sim.syncs == 1 and sim.replays == 0
-        triple = torch.compile(lambda t: t * 3, backend="aot_eager")
-        with pytest.raises(HostSyncError, match="compiled"), torch.cuda.graph(torch.cuda.CUDAGraph()):
-            triple(x)                                               # a compile inside a capture
-        a, b, c = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(a):
-            y = x * 2                                               # a's memory
-            x.add_(1)                                               # a static input, mutated
-        assert torch.equal(x, torch.arange(6.0)) and y.isnan().all(), "a capture runs nothing"
-        a.replay()
-        assert torch.equal(x, torch.arange(6.0) + 1) and torch.equal(y, torch.arange(6.0) * 2)
-        with torch.cuda.graph(b, pool=a.pool()):
-            x + 1                                                   # b's memory
-        with torch.cuda.graph(c):                                   # a pool of its own
-            w = x - 1
-        c.replay()
-        assert torch.equal(w, x - 1) and torch.equal(y, torch.arange(6.0) * 2), "another pool: untouched"
-        b.replay()
-        assert y.isnan().all(), "b shares a's pool: a's memory may hold b's values"
-
-
-def test_staging_waits_for_its_last_copy_before_refilling(monkeypatch):
-    """The pinned buffer is reused every step, and its copy to the GPU is asynchronous: on CUDA
-    an event is recorded after each copy and waited on before the next refill (vLLM hit this
-    race when a refill overtook a copy still in flight). A stub event logs what the buffer
-    holds at each call: wait, fill, copy, record, in that order, every step."""
-    import kernels
-    log = []
-
-    class StubEvent:
-        def record(self):
-            log.append(("record", staging.buf[:3].tolist()))
-
-        def synchronize(self):
-            log.append(("synchronize", staging.buf[:3].tolist()))
-    to = torch.Tensor.to
-    empty = torch.empty
-    monkeypatch.setattr(kernels, "on_cuda", lambda device: True)
-    monkeypatch.setattr(torch.cuda, "Event", StubEvent)
-    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **kw: empty(*a, **kw))   # no pinned memory here
-    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: log.append(("copy", t[:3].tolist())) or to(t, *a, **kw))
-    staging = kernels.Staging("cpu")
-    first = staging.send([np.array([1, 2]), np.array([3])])
-    second = staging.send([np.array([7, 8, 9])])
-    assert [t.tolist() for t in first] == [[1, 2], [3]] and second[0].tolist() == [7, 8, 9]
-    assert [what for what, _ in log] == ["synchronize", "copy", "record"] * 2
-    assert log[1:] == [("copy", [1, 2, 3]), ("record", [1, 2, 3]), ("synchronize", [1, 2, 3]),
-                       ("copy", [7, 8, 9]), ("record", [7, 8, 9])], "refilled before its copy was waited for"
 
 
 @pytest.mark.parametrize("block_size,n_heads,n_kv,Q", ATTENTION_CASES)
@@ -839,10 +371,10 @@ def test_windowed_engine_gives_the_dense_windowed_tokens(tmp_path):
     kw = dict(device="cpu", dtype="float32", max_num_seqs=2, kv_cache_bytes=1 << 15, block_size=4)
     eager = LLM(path, **kw)
     assert eager.cache.sliding_window == eager.block_manager.sliding_window == W, "config.json's window"
-    assert _run_staggered(eager, prompts, params) == dense, "the eager engine's window differs from the model's"
+    assert run_staggered(eager, prompts, params) == dense, "the eager engine's window differs from the model's"
     with simulate_cuda() as sim:
         llm = LLM(path, compile=True, speculative="ngram", num_speculative_tokens=3, **kw)
-        outs = _run_staggered(llm, prompts, params)
+        outs = run_staggered(llm, prompts, params)
     assert outs == dense, "the compiled (CUDA-graph) engine's window differs from the model's"
     assert llm.decoder.steps[1] > 0 and llm.decoder.steps[4] > 0 and sim.replays == sum(llm.decoder.steps.values())
     bm = llm.block_manager
@@ -879,48 +411,3 @@ def test_windowed_engine_holds_a_long_sequence_in_17_blocks():
     logprobs = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).flatten()
     engine = torch.tensor([lp for lp, _ in out.outputs[0].logprobs])                  # (logprob, top-0)
     torch.testing.assert_close(engine, logprobs, atol=1e-4, rtol=0)
-
-
-@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
-def test_step_memory_measures_the_largest_bucket(monkeypatch):
-    """The KV pool is sized after measuring what a compiled step needs beside it (vLLM's and
-    nano-vllm's profile run): the largest bucket, run once to compile, then measured with the
-    allocator's peak, read here by a meter of CPU allocations in place of torch.cuda. Its
-    static buffers count once, its temporaries once more with CUDA graphs (their pool)."""
-    import kernels
-    from cuda_sim import MemoryMeter
-    from support.timing import step_memory
-    monkeypatch.setattr(kernels, "BACKEND", "aot_eager")          # the meter sees aten ops, not C++ kernels
-    model, run = tiny_model(seed=15), []
-    forward = CompiledDecoder._forward
-    monkeypatch.setattr(CompiledDecoder, "_forward", lambda self, key: run.append(key) or forward(self, key))
-    V, meter = model.config.vocab_size, MemoryMeter()
-    pool = lambda: KVCache(model.config, 1, 4, "cpu", torch.float32)       # noqa: E731 (one block: the scratch)
-    make = lambda: CompiledDecoder(model, pool(), max_num_seqs=5, max_blocks_per_seq=6,   # noqa: E731
-                                   scratch_block=0, query_sizes=(1, 3)).scratch_step()
-    with meter:
-        eager, graphs = (step_memory(make, "cpu", graphs, memory=meter) for graphs in (False, True))
-    assert run == [(3, 8, 8)] * 4, "the largest bucket (Q 3, batch 8, width 8), twice per measurement"
-    logits = 3 * 8 * V * 4                                         # [B*Q, V] float32: static, and a temporary
-    assert eager >= 2 * logits and graphs - eager >= logits, (eager, graphs)
-    assert graphs - eager < eager, "the temporaries are counted once more, not the static buffers"
-
-
-def test_weight_layout_frees_each_old_weight_as_it_goes(monkeypatch):
-    """choose_weight_layout runs before the KV pool takes the free memory, and rewrites the
-    weights one layer at a time: each old weight is freed before the next copy is made, so
-    the peak is the weights plus ONE layer (not two copies of the model, 16 GB at 8B)."""
-    import weakref
-
-    import support.timing
-    model = tiny_model(seed=3, ffn_dim=1024, tie_embeddings=False)     # the largest layer is not the last
-    log, contiguous = [], torch.Tensor.contiguous
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            weakref.finalize(m.weight.untyped_storage(), log.append, "freed")     # its memory, not the object
-    times = iter([1.0, 0.5])                                        # [in, out] measured 2x faster
-    monkeypatch.setattr(support.timing, "median_seconds", lambda fn, **kw: (fn(), next(times))[1])
-    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **kw: log.append("copy") or contiguous(t, *a, **kw))
-    assert choose_weight_layout(model) == "transposed"
-    n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert log == ["copy"] + ["copy", "freed"] * n, "an old weight outlived the next layer's copy"

@@ -112,10 +112,10 @@ def test_int8_linear_compiled_equals_linear_on_dequantized_weight(tmp_path, monk
     """Under torch.compile, up to FUSED_ROWS rows take the fused product
     (int8 -> float inside the reduction), more rows the matmul: one graph
     each, both computing F.linear on the dequantized weight (held to float64
-    arithmetic). tests/test_kernels.py checks the fused one is what a
+    arithmetic). tests/test_graphs.py checks the fused one is what a
     compiled small-batch step runs."""
     import quantize
-    from kernels import dynamic, size_oblivious
+    from graphs import dynamic, size_oblivious
     from torch._dynamo.utils import counters
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def test_int8_linear_compiled_equals_linear_on_dequantized_weight(tmp_path, monk
     for rows in (1, quantize.FUSED_ROWS, quantize.FUSED_ROWS + 5):
         x = torch.randn(rows, 96)
         ref = F.linear(x.double(), int8_reference(lin.weight)[2], ql.bias.double()).float()
-        with size_oblivious():                          # as kernels.py compiles: any row count, 1 too
+        with size_oblivious():                          # as graphs.py compiles: any row count, 1 too
             torch.testing.assert_close(compiled(ql, dynamic(x, 0)), ref, atol=1e-5, rtol=1e-5, msg=f"{rows} rows")
     assert counters["stats"]["unique_graphs"] - graphs == 2, "one graph up to FUSED_ROWS rows, one beyond"
 
@@ -363,7 +363,7 @@ def test_int4_linear_is_exactly_the_dense_product_and_its_bytes():
 def test_quantized_formats_compiled_equal_the_dense_product(tmp_path, monkeypatch):
     """Under torch.compile a few rows take QuantLinear._fused (the unpacking inside the
     reduction), more rows F.linear: both equal the dense product of the dequantized weight."""
-    from kernels import dynamic, size_oblivious
+    from graphs import dynamic, size_oblivious
     from quantize import FUSED_ROWS, Fp8Linear, Int4Linear
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     torch.manual_seed(0)

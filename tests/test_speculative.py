@@ -467,7 +467,7 @@ def test_model_drafter_drafts_the_draft_models_greedy_tokens_and_fewer_when_its_
     each request stops at its own k, a request the draft pool cannot hold gets
     fewer drafts (none here) instead of an error, and rollback / release give
     the blocks back."""
-    from kernels import StepInputs
+    from graphs import StepInputs
     from model import generate
     from speculative import ModelDrafter
     draft = tiny_model(seed=4)

@@ -1,0 +1,391 @@
+"""
+graphs.py -- the compiled step: every engine step costs its bytes and FLOPs, not its bookkeeping.
+
+The lesson: with attention vectorized (kernels.py) what is left between a decode step and
+its roofline is the host's work, removed here in turn:
+  * host-device traffic: one copy (on a GPU, one synchronization) per small
+    tensor -> StepInputs: the inputs built with numpy (cache.flatten_step) from
+    block-table arrays kept across steps, sent to the device in ONE copy (Staging);
+  * kernel launches (hundreds a GPU step, ~5 us of CPU each), unfused elementwise
+    ops -> CompiledDecoder: torch.compile of ONE transformer block (all layers
+    share its graph) and the LM head; on CUDA each padded bucket is ONE CUDA graph.
+
+Place in the data flow (LLM.step, engine.py): StepInputs builds every step's inputs;
+with LLM(compile=True), steps of <= k + 1 tokens a sequence run in CompiledDecoder,
+whose blocks attend through kernels.paged_attention_in_place (or its Triton kernel).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.fx.experimental._config
+
+from cache import flatten_step
+from kernels import QueryGroup, StepContext, on_cuda, paged_attention_in_place, paged_decode
+from support.gpu import triton
+
+# torch.compile's backend (tests/cuda_sim.py: "aot_eager", whose aten ops it sees).
+BACKEND = "inductor"
+
+
+# --- Step inputs: numpy on the host, one copy to the device --------------------
+def query_rows(first, query_lens, Q: int):
+    """[B, Q] flat-batch row of each sequence's query i (padding repeats the last real row)
+    and [B, Q] mask of the real ones. first[B]: each sequence's first query's row."""
+    i = np.arange(Q)[None, :]
+    return first[:, None] + np.minimum(i, query_lens[:, None] - 1), i < query_lens[:, None]
+
+
+class Staging:
+    """Many small int64 arrays to the device as ONE asynchronous copy from one pinned buffer
+    (each torch.tensor(list) is its own copy, from pageable memory a synchronous one). On
+    CUDA, before the buffer is refilled, an event waits for the last copy out of it."""
+
+    def __init__(self, device):
+        self.device, self.cuda = torch.device(device), on_cuda(device)
+        self.event = torch.cuda.Event() if self.cuda else None
+        # pinned: an async DMA
+        self.buf = torch.empty(1 << 16, dtype=torch.int64, pin_memory=self.cuda)
+
+    def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if self.event is not None:
+            self.event.synchronize()          # still in flight, that copy would send the new values
+        if total > self.buf.numel():
+            self.buf = torch.empty(2 * total, dtype=torch.int64, pin_memory=self.cuda)
+        host = self.buf[:total]
+        if total:
+            np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays],
+                           out=host.numpy())
+        dev = host.to(self.device, non_blocking=True, copy=True)         # one copy
+        if self.event is not None:
+            self.event.record()                           # ... which the next send waits for
+        return [t.view(a.shape) for t, a in zip(dev.split(sizes), arrays)]
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs on the host (numpy int64): N tokens of B sequences."""
+    input_ids: np.ndarray      # [N]
+    positions: np.ndarray      # [N]
+    slot_mapping: np.ndarray   # [N]
+    rows: np.ndarray           # [B] each sequence's row in StepInputs.tables
+    seq_lens: np.ndarray       # [B] tokens in cache after this step
+    query_lens: np.ndarray     # [B] tokens fed this step
+    logits_rows: np.ndarray | None   # [R] rows that need logits (None: all)
+
+
+class StepInputs:
+    """Builds each step's model inputs from arrays kept across steps. Every running
+    sequence owns a row of `tables`, a numpy copy of its block table; only the rows
+    the BlockManager reports changed are rewritten: O(batch) a step, not O(blocks)."""
+
+    def __init__(self, block_manager, device):
+        self.bm, self.bs = block_manager, block_manager.block_size
+        block_manager.changed = set(block_manager.tables)     # from now on, tell us what changes
+        self.staging = Staging(device)
+        self.tables = np.zeros((16, 8), dtype=np.int64)       # [rows, width], grown on demand
+        self.row_of: dict[int, int] = {}
+        self.free_rows: list[int] = []                        # rows of freed sequences, for reuse
+
+    def _refresh_tables(self):
+        for seq_id in self.bm.changed:
+            table = self.bm.tables.get(seq_id)
+            if table is None:                                 # freed: its row is reusable
+                if seq_id in self.row_of:
+                    self.free_rows.append(self.row_of.pop(seq_id))
+                continue
+            if seq_id not in self.row_of:                 # rows in use are 0..n-1 when none is free
+                self.row_of[seq_id] = self.free_rows.pop() if self.free_rows else len(self.row_of)
+            row, (R, W) = self.row_of[seq_id], self.tables.shape
+            if row >= R or len(table) > W:               # grow by doubling: amortized O(1) per step
+                grown = np.zeros((2 * max(row, R), 2 * max(len(table), W)), dtype=np.int64)
+                grown[:R, :W] = self.tables
+                self.tables = grown
+            self.tables[row, :len(table)] = table
+        self.bm.changed.clear()
+
+    def host(self, work, logits_rows=None) -> HostBatch:
+        """work: (seq_id, token ids fed, first position) per sequence, in batch order."""
+        self._refresh_tables()
+        rows = np.array([self.row_of[w[0]] for w in work], dtype=np.int64)
+        ids, positions, slots, query_lens, seq_lens = flatten_step(work, self.tables, rows, self.bs)
+        return HostBatch(ids, positions, slots, rows, seq_lens, query_lens,
+                         None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64))
+
+    def groups(self, hb: HostBatch):
+        """Split the batch into query-length classes: [(index or None, tables, seq_lens,
+        query_lens)]."""
+        # length class: next power of two
+        qcls = 1 << np.ceil(np.log2(hb.query_lens)).astype(np.int64)
+        N, first = len(hb.input_ids), np.cumsum(hb.query_lens) - hb.query_lens
+        widths = -(-hb.seq_lens // self.bs)                          # blocks each sequence uses
+        out = []
+        for Q in np.unique(qcls):
+            m = np.nonzero(qcls == Q)[0]
+            tables = self.tables[hb.rows[m], :widths[m].max()]
+            # the whole batch, uniform: no gather
+            if len(m) == len(qcls) and (hb.query_lens == Q).all():
+                out.append((None, tables, hb.seq_lens, None))
+                continue
+            idx, real = query_rows(first[m], hb.query_lens[m], Q)    # [Bg, Q]
+            out.append((np.where(real, idx, N), tables, hb.seq_lens[m], hb.query_lens[m]))
+        return out
+
+    def device(self, hb: HostBatch, cache):
+        """HostBatch -> (input_ids, positions, StepContext) on the device, in one copy."""
+        groups = self.groups(hb)
+        arrays = ([hb.input_ids, hb.positions, hb.slot_mapping, hb.logits_rows]
+                  + [a for g in groups for a in g])
+        t = iter(self.staging.send([a for a in arrays if a is not None]))
+        input_ids, positions, slots = next(t), next(t), next(t)
+        logits_indices = next(t) if hb.logits_rows is not None else None
+        ctx_groups = [QueryGroup(*(None if a is None else next(t) for a in g)) for g in groups]
+        return input_ids, positions, StepContext(cache, slots, ctx_groups, logits_indices)
+
+
+# --- The compiled step: one block compiled once, a CUDA graph per bucket ------
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16, up to the first that holds max_num_seqs."""
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
+    return sizes[:sizes.index(bucket(max_num_seqs, sizes)) + 1]
+
+
+def width_buckets(max_blocks: int) -> list[int]:
+    """Block-table widths: powers of two from 2 up to the first that holds max_blocks."""
+    return [2 ** i for i in range(1, max(1, math.ceil(math.log2(max_blocks))) + 1)]
+
+
+def bucket(n: int, sizes: list[int]) -> int:
+    """The smallest bucket that holds n."""
+    if n > sizes[-1]:
+        raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+    return next(s for s in sizes if s >= n)
+
+
+def dynamic(t, *dims):
+    """Tell torch.compile, before it first sees t, that these dims vary: one symbolic graph."""
+    torch._dynamo.maybe_mark_dynamic(t, dims)
+    return t
+
+
+def size_oblivious():
+    """Compile symbolic sizes without special-casing 1 (else batch 1 is a second graph)."""
+    return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
+def layer_cache(cache, layer: int):
+    """A cache of the same class holding only `layer` (views, no copy) as its layer 0:
+    one graph serves all layers (a layer index would be a trace constant) and any pool size."""
+    view = copy.copy(cache)
+    for name, t in vars(cache).items():
+        if isinstance(t, torch.Tensor):
+            setattr(view, name, dynamic(t[layer:layer + 1], 1))
+    return view
+
+
+class LayerContext:
+    """The ctx one compiled block sees: its layer's cache (layer_cache: attend() ignores
+    the model's layer index), slot_mapping [B*Q], block_tables [B, W], q_pos [B, Q]."""
+
+    def __init__(self, cache, slot_mapping, block_tables, q_pos):
+        self.cache, self.slot_mapping = cache, slot_mapping
+        self.block_tables, self.q_pos = block_tables, q_pos
+
+    def attend(self, layer: int, q, k, v):  # pragma: no cover (runs only in torch.compile's trace)
+        # Write first (a token sees itself) into the layer's whole [1, ...] pool (`:`, not 0): the
+        # graph INPUT the op says it mutates. AOTAutograd rebuilds a mutated view OF an input from
+        # the offset seen in tracing (layer 0's), unguarded: other layers' writes would land in a
+        # copy of layer 0.
+        self.cache.write(slice(None), self.slot_mapping, k, v)
+        B, Q = self.q_pos.shape
+        q = q.view(B, Q, *q.shape[1:])
+        # CUDA, Triton, an unquantized cache: one kernel
+        if q.device.type == "cuda" and triton is not None and self.cache.storage_dtype is None:
+            out = paged_decode(q, self.cache.k, self.cache.v, self.block_tables, self.q_pos,
+                               self.cache.sliding_window or 0)
+        else:
+            out = paged_attention_in_place(q, self.cache, 0, self.block_tables, self.q_pos)
+        return out.flatten(0, 1)                                       # [B*Q, H, d]
+
+
+def _block(block, x, cos, sin, ctx):  # pragma: no cover (compiled: torch.compile's region, a block)
+    return block(x, cos, sin, ctx)
+
+
+def _head(lm_head, x):  # pragma: no cover (compiled: the LM head; int8 fuses there too)
+    return lm_head(x)
+
+
+class CompiledModel:
+    """What Transformer.forward reads from `self`, every block and the LM head replaced
+    by a call of the ONE compiled graph for them. Regional compilation: one block costs
+    one block's compile whatever the depth, and model.py's own forward runs the step (no
+    drift); it gives up fusion across blocks and pays a guard check per block per call."""
+
+    def __init__(self, model):
+        self.config, self.inv_freq = model.config, model.inv_freq
+        self.embed_tokens, self.norm = model.embed_tokens, model.norm
+        # Each model and dtype compiled in one process adds variants; dynamo's default limit is 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # Inductor's coalescing analysis (torch 2.11-2.13) asserts on this block's dynamic shapes at
+        # Llama-3.1-8B's width on CUDA ("failed to set ranges", seen on an H200): it only picks
+        # tilings.
+        opts = ({"options": {"triton.coalesce_tiling_analysis": False}}
+                if BACKEND == "inductor" else {})
+        block, head = (torch.compile(f, fullgraph=True, backend=BACKEND, **opts)
+                       for f in (_block, _head))
+        self.layers = [functools.partial(self._run_block, block, i, b)
+                       for i, b in enumerate(model.layers)]
+        self.lm_head = lambda x: head(model.lm_head, dynamic(x, 0))
+
+    @staticmethod
+    def _run_block(compiled, i, block, x, cos, sin, ctx):
+        return compiled(block, dynamic(x, 0), dynamic(cos, 0), dynamic(sin, 0), ctx.layers[i])
+
+
+class CompiledDecoder:
+    """Decode and verification steps through torch.compile, padded to buckets.
+
+    A step feeds Q tokens for each of B sequences (decode: Q = 1; verifying k drafts:
+    Q = k + 1, shorter rows padded) over block tables W wide. Why buckets: a CUDA graph
+    replays fixed shapes and addresses, so a step is padded to a (Q, B, W) bucket
+    recorded at warm-up: one input copy and one replay. One graph with symbolic sizes
+    serves all buckets (CPU runs the same padded code). Padded rows and queries write
+    into `scratch_block`, one more than the block manager hands out.
+    """
+
+    def __init__(self, model, cache, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
+                 query_sizes=(1,)):
+        self.model, self.cache, self.scratch_block = model, cache, scratch_block
+        self.batch_sizes = batch_buckets(max_num_seqs)
+        self.widths = width_buckets(max_blocks_per_seq)
+        self.query_sizes = sorted(set(query_sizes) | {1})
+        self.device, self.cuda = cache.k.device, on_cuda(cache.k.device)
+        self.regions = CompiledModel(model)
+        self.layer_caches = [layer_cache(cache, i) for i in range(model.config.n_layers)]
+        rows = self.batch_sizes[-1] * self.query_sizes[-1]
+        # Static inputs and output at fixed addresses, for CUDA graphs: each bucket uses a prefix.
+        long = dict(dtype=torch.long, device=self.device)
+        self.ids, self.positions, self.slots = (torch.zeros(rows, **long) for _ in range(3))
+        self.tables = torch.zeros(self.batch_sizes[-1] * self.widths[-1], **long)
+        self.logits = torch.zeros(rows, model.config.vocab_size, device=self.device)
+        self.staging = Staging(self.device)
+        self.contexts, self.graphs, self.pool = {}, {}, None
+        self.steps = {Q: 0 for Q in self.query_sizes}      # steps run per query size (tests, bench)
+
+    def fits(self, query_lens) -> bool:
+        """Can a step with these per-sequence query lengths run here?"""
+        return len(query_lens) <= self.batch_sizes[-1] and max(query_lens) <= self.query_sizes[-1]
+
+    def __call__(self, tokens, positions, slots, tables, query_lens=None, logits_rows=None):
+        """One step: tokens, positions, slots [N], tables [B, W] (padded with any valid block),
+        query_lens [B] (None: one each), logits_rows (None: all). Returns logits [rows, V]."""
+        tokens, positions, slots, tables = (np.asarray(a, dtype=np.int64)
+                                            for a in (tokens, positions, slots, tables))
+        qlens = (np.ones(len(tokens), np.int64) if query_lens is None
+                 else np.asarray(query_lens, np.int64))
+        last = positions[np.cumsum(qlens) - 1]                       # each sequence's last position
+        key = (bucket(int(qlens.max()), self.query_sizes), bucket(len(qlens), self.batch_sizes),
+               bucket(int(last.max()) // self.cache.block_size + 1, self.widths))
+        prow = self._load(key, tokens, positions, slots, tables, qlens)
+        self._run(key)
+        self.steps[key[0]] += 1
+        prow = prow if logits_rows is None else prow[np.asarray(logits_rows, dtype=np.int64)]
+        # a copy: the next step overwrites
+        return self.logits[torch.from_numpy(prow).to(self.device)]
+
+    def _load(self, key, tokens, positions, slots, tables, qlens):
+        """Pad the flat batch to bucket key = (Q, B, W) in the static inputs (ONE copy); return
+        where each real row lands in the padded [B * Q]. Padding writes only the scratch block."""
+        Q, Bp, W = key
+        B, scratch = len(qlens), self.scratch_block * self.cache.block_size
+        src, real = query_rows(np.cumsum(qlens) - qlens, qlens, Q)            # [B, Q] each
+        ids, pos = np.zeros((Bp, Q), np.int64), np.zeros((Bp, Q), np.int64)
+        slot = np.full((Bp, Q), scratch)
+        if B:
+            ids[:B], pos[:B] = np.where(real, tokens[src], 0), positions[src]
+            slot[:B] = np.where(real, slots[src], scratch)
+        table = np.full((Bp, W), self.scratch_block, dtype=np.int64)
+        table[:B, :tables.shape[1]] = tables[:, :W]
+        for static, part in zip((self.ids, self.positions, self.slots, self.tables),
+                                self.staging.send([ids, pos, slot, table])):     # one copy ...
+            static[:part.numel()].copy_(part.flatten())  # ... then into the graph's fixed addresses
+        return np.flatnonzero(real)                      # real query (b, i) is padded row b * Q + i
+
+    def _bucket(self, key):
+        """The static inputs of bucket (Q, B, W) and its per-layer contexts (made once)."""
+        if key not in self.contexts:
+            (Q, B, W), n = key, key[0] * key[1]
+            # a query's position bounds its keys
+            q_pos = dynamic(self.positions[:n].view(B, Q), 0, 1)
+            tables = dynamic(self.tables[:B * W].view(B, W), 0, 1)
+            slots = dynamic(self.slots[:n], 0)
+            # Transformer.forward's ctx: all rows get logits
+            ctx = SimpleNamespace(layers=[LayerContext(c, slots, tables, q_pos)
+                                          for c in self.layer_caches], logits_indices=None)
+            self.contexts[key] = (self.ids[:n], self.positions[:n], ctx)
+        return self.contexts[key]
+
+    def _forward(self, key):
+        """The step itself: Transformer.forward's code over the compiled blocks."""
+        ids, positions, ctx = self._bucket(key)
+        with size_oblivious():
+            logits = type(self.model).forward(self.regions, ids, positions, ctx)    # [B*Q, V]
+        self.logits[:len(ids)].copy_(logits)
+
+    def _run(self, key):
+        """Run bucket `key` on what its static inputs hold: its CUDA graph's replay, or the step."""
+        self.graphs[key].replay() if key in self.graphs else self._forward(key)
+
+    def _record(self, key):
+        """CUDA: record bucket `key`'s whole step, eager parts included, as ONE graph (not
+        one per region as mode="reduce-overhead"), in a pool shared by all buckets."""
+        self._forward(key)                                   # compiles (first bucket) and warms up
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._forward(key)
+        self.pool, self.graphs[key] = graph.pool(), graph
+
+    def warmup_buckets(self) -> list[tuple]:
+        """The (Q, B, W) run at warm-up. CUDA: all, biggest first so the shared pool fits them.
+        CPU, per Q: batch 1 and the biggest, narrowest; batch 1, widest: all guards crossed
+        (int8's rows too)."""
+        if self.cuda:
+            keys = itertools.product(self.query_sizes, self.batch_sizes, self.widths)
+            return sorted(keys, key=lambda k: -k[0] * k[1] * k[2])
+        lo, hi = self.widths[0], self.widths[-1]
+        return [k for Q in self.query_sizes
+                for k in ((Q, 1, lo), (Q, self.batch_sizes[-1], lo), (Q, 1, hi))]
+
+    def scratch_step(self, key=None):
+        """Load bucket `key`'s static inputs with no real row (all writes go to the scratch
+        block); return its step. No key: the largest bucket, what a memory budget must hold
+        (support/timing.py step_memory)."""
+        key = key or (self.query_sizes[-1], self.batch_sizes[-1], self.widths[-1])
+        self._load(key, *[np.zeros(0, np.int64)] * 3, np.zeros((0, 1), np.int64),
+                   np.zeros(0, np.int64))
+        return lambda: self._forward(key)
+
+    @torch.inference_mode()                   # as LLM.step runs (grad mode is guarded on)
+    def warmup(self) -> float:
+        """Compile (and on CUDA record) every bucket now, on scratch rows only; seconds. Called
+        again (serve.py's engine thread) it reloads scratch rows first: the last real step's
+        slots are in others' blocks."""
+        t0 = time.perf_counter()
+        for key in self.warmup_buckets():
+            self.scratch_step(key)
+            self._record(key) if self.cuda and key not in self.graphs else self._run(key)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
