@@ -12,7 +12,9 @@ out-of-memory in one leaves the others running):
   decode   LLM(compile=True) at the preset's shapes in bf16 (CUDA graphs): compile time,
            batch-1 decode in gpt-fast's format (tok/s, GB/s), the batching curve, one
            eager step for comparison, and a torch.profiler table of one compiled step
-  int8     the same batch-1 decode with int8 weight-only linears
+  int8     the same batch-1 decode with int8 weight-only linears (--baseline: then bf16's, same run)
+  int4     the same with int4 group-wise weights, and the profiler table of its compiled step
+  continuous  bench's continuous-vs-static workload, every forward timed by kind
 
 Every stage merges its figures into DIR/figures.json as soon as it has them
 (a run cut short keeps what it measured) and prints a short summary.
@@ -142,7 +144,7 @@ def engine(args, **kw):
     t0 = time.perf_counter()
     llm = LLM(f"random:{args.preset}", device=args.device, dtype="bfloat16", compile=True,
               max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.pool_gib * 2**30),
-              quantization="int8" if args.tag else None, **kw)
+              quantization=args.tag.strip("_") or None, **kw)
     return llm, time.perf_counter() - t0
 
 
@@ -194,7 +196,7 @@ def stage_decode(args):
     r.update(weights_GBps=W * r["tok_s"] / 1e9, with_kv_GBps=(W + kv) * r["tok_s"] / 1e9,
              replay_GBps=(W + kv) / (r["replay_ms"] / 1e3) / 1e9)
     save(args.out, f"{args.tag}batch1", r)
-    if args.tag:                                  # int8: batch 1 and a small batch only
+    if args.tag:                                  # int8, int4: batch 1 and a small batch only
         save(args.out, f"{args.tag}batch8", decode_steps(llm, min(8, args.max_num_seqs), args.context, 16))
         if args.baseline:                         # bf16 batch 1 in the same run: the ratio's baseline
             del llm
@@ -297,7 +299,7 @@ def stage_continuous(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["probe", "decode", "int8", "continuous"])
+    ap.add_argument("stage", choices=["probe", "decode", "int8", "int4", "continuous"])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
     ap.add_argument("--preset", default="llama-3.1-8b")
     ap.add_argument("--context", type=int, default=128)
@@ -315,8 +317,8 @@ def main():
         stage_decode(args)
     elif args.stage == "continuous":
         stage_continuous(args)
-    else:
-        args.tag = "int8_"
+    else:                                        # int8, int4: quantized weights, batch 1 and 8
+        args.tag = f"{args.stage}_"
         stage_decode(args)
 
 

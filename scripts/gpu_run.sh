@@ -3,7 +3,7 @@
 # every log line and figure written under $OUT as it goes (a run cut short keeps what it measured).
 #
 #   OUT=gpu-out scripts/gpu_run.sh probe decode check int8      # the stages, in this order
-#   stages: probe | decode | int8 | int8+bf16 | continuous (scripts/gpu_figures.py) | kernels (scripts/gpu_kernels.py)
+#   stages: probe | decode | int8 | int8+bf16 | int4 | continuous (scripts/gpu_figures.py) | kernels (scripts/gpu_kernels.py)
 #           | check (python bench.py --check) | quick (python bench.py --quick) | bench (python bench.py)
 #   STAGE=SECONDS overrides a stage's limit; quick:a,b and bench:a,b run only experiments a and b
 set -u
@@ -26,6 +26,7 @@ for s in "$@"; do
         probe)  run "${limit:-60}" python3 scripts/gpu_figures.py probe --out "$OUT" ;;
         decode) run "${limit:-210}" python3 scripts/gpu_figures.py decode --out "$OUT" ;;
         int8)   run "${limit:-120}" python3 scripts/gpu_figures.py int8 --out "$OUT" ;;
+        int4)   run "${limit:-150}" python3 scripts/gpu_figures.py int4 --out "$OUT" ;;
         continuous) run "${limit:-120}" python3 scripts/gpu_figures.py continuous --out "$OUT" ;;
         int8+bf16) run "${limit:-180}" python3 scripts/gpu_figures.py int8 --baseline --out "$OUT" ;;
         kernels) run "${limit:-150}" python3 scripts/gpu_kernels.py --out "$OUT" ;;
