@@ -2,16 +2,17 @@
 bench.py -- measuring it all: every lesson of the lecture as a number on your machine.
 
     python bench.py --check                  # on a GPU, FIRST: a verdict per GPU path (<= 3 min)
-    python bench.py                          # every experiment on the best device (GPU: <= 10 min)
+    python bench.py                          # every experiment on the best device (H100: ~10 min)
     python bench.py --quick                  # the same, fewer points (GPU <= 5 min; 2-core CPU ~1)
     python bench.py --plan --gpu h100-80gb   # per experiment: planned peak memory and time; no run
     python bench.py --only batching,compile --json results/x.json    # + pictures in results/x/
     python bench.py --check --device cpu --model random:smollm2-tiny  # check dry run (CI, < 30 s)
 
-This file is the runner: the command line, the device and the scale, the plan, the run loop and
---json. The experiments are in experiments/, one file each (its docstring lists them): the lecture's
-claim, the baseline measured in the same run, the workload, the table and the picture. Each runs in
-isolation: one that raises reports its error in its table and JSON entry, and the next one runs.
+This file is the runner: the device and the scale, the plan, the run loop and --json (its flags
+are in experiments/cli.py). The experiments are in experiments/, one file each (its docstring
+lists them): the lecture's claim, the baseline measured in the same run, the workload, the table
+and the picture. Each runs in isolation: one that raises reports its error in its table and JSON
+entry, and the next one runs.
 
 The scale. On a GPU with no --model the timing experiments run on the largest "random:" preset
 (published shapes, random weights) whose planned run fits the free memory (Llama-3.1-8B on an 80 GB
@@ -39,6 +40,7 @@ import torch
 
 import kernels
 from experiments import EXPERIMENTS, check, write_plot
+from experiments.cli import parse_args, plots_dir
 from experiments.common import Bench, load_results, save_results, weights_label
 from experiments.plan import CARDS, Card, Scale, card_for, describe, pick_timing_model, plan_run
 from support.checkpoint import RANDOM_PREFIX
@@ -60,48 +62,25 @@ def quality_model() -> str:
 def make_scale(args, gpu: bool, free_bytes: float | None = None) -> tuple[Scale, str]:
     """The run's scale and why its timing model: --model, or on a GPU the largest preset that
     fits."""
+    # Two models, because two kinds of figure: TIMINGS depend only on shapes and bytes (random
+    # weights time exactly like trained ones), QUALITY (perplexity, acceptance) needs trained ones.
     quality = args.model or quality_model()     # perplexity, acceptance: trained weights only
     device = args.device if args.device.startswith("cuda:") and gpu else None   # cuda:N pins one
     scale = Scale(gpu, args.quick, quality, quality, args.dtype, device)
-    if args.model or not gpu:        # a CPU times the default model: an 8B step would take minutes
+    # A CPU times the default model: an 8B step would take minutes
+    if args.model or not gpu:
         return scale, "--model" if args.model else "the default model"
     # A GPU: the largest preset whose PLANNED run fits, since a 135M model leaves an H100 idle
     picked, why = pick_timing_model(EXPERIMENTS, scale, free_bytes)
     return Scale(gpu, args.quick, picked or quality, quality, args.dtype, device), why
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("--model", default=None, help="checkpoint directory or random:<preset> for "
-                    "every experiment (default: the embedded SmolLM2-135M-Instruct; on a GPU, "
-                    "timing on the largest preset that fits)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ap.add_argument("--only", default=None,
-                    help="comma-separated experiments: " + ",".join(EXPERIMENTS))
-    ap.add_argument("--quick", action="store_true", help="every experiment, fewer points")
-    ap.add_argument("--json", default=None,
-                    help="write every figure to this file (merged into it if it exists)")
-    ap.add_argument("--draft", default=None,
-                    help="a draft model directory for the speculative experiment")
-    ap.add_argument("--plots", default=None, help="folder for the pictures (default: beside "
-                    "--json, results/x.json -> results/x/; without --json ./bench-plots)")
-    ap.add_argument("--no-plots", action="store_true", help="write no pictures")
-    ap.add_argument("--check", action="store_true", help="a verdict per GPU path (<= 3 min on "
-                    "one GPU): run it first on a GPU and report its output; --device cpu is its "
-                    "dry run")
-    ap.add_argument("--strict-sdpa", action="store_true", help="an SDPA call that would fall "
-                    "back to the slow math backend raises instead (kernels.STRICT_SDPA)")
-    ap.add_argument("--plan", action="store_true", help="print each experiment's planned peak "
-                    "memory and time on --gpu, and run nothing (no model is built, no GPU needed)")
-    ap.add_argument("--gpu", default="h100-80gb", choices=list(CARDS),
-                    help="the card --plan plans for")
-    return ap, ap.parse_args(argv)
-
-
 def plan_text(args, gpu: bool, card_name: str, card: Card, free: float | None = None) -> str:
     """The plan of this run (--quick, --check, --only) on `card`; on a GPU, the three runs'
     totals."""
+    # Why plan at all: a rented GPU is paid by the minute and an 80 GB card has no spare 10 GB.
+    # Memory is counted on the meta device (no byte allocated) and time as counted steps x
+    # their roofline step time: a run that cannot fit says so before it builds anything.
     this, plans = "check" if args.check else "quick" if args.quick else "full", {}
     for mode in ("full", "quick", "check") if gpu else (this,):
         scale, why = make_scale(argparse.Namespace(**{**vars(args), "quick": mode == "quick"}), gpu,
@@ -115,6 +94,8 @@ def plan_text(args, gpu: bool, card_name: str, card: Card, free: float | None = 
 @contextlib.contextmanager
 def strict_sdpa(on: bool):
     """--strict-sdpa: kernels.STRICT_SDPA on for the run (an SDPA math fallback raises)."""
+    # Why: SDPA silently falls back to its math backend (the whole score matrix in memory) when
+    # a fused kernel refuses its arguments; a benchmark would then time the slow path unawares.
     old, kernels.STRICT_SDPA = kernels.STRICT_SDPA, on or kernels.STRICT_SDPA
     try:
         yield
@@ -125,6 +106,7 @@ def strict_sdpa(on: bool):
 def main(argv=None):
     ap, args = parse_args(argv)
     names = list(EXPERIMENTS) if not args.only else [n.strip() for n in args.only.split(",")]
+    # A typo must fail now, not after minutes of the experiments before it
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         ap.error(f"unknown experiment(s) {unknown}; choose from {list(EXPERIMENTS)}")
@@ -136,8 +118,11 @@ def main(argv=None):
     device = torch.device(args.device if args.device != "auto"
                           else "cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
+    # The card's name and roofs: every GPU figure is read against them (fraction of the bound)
     card = card_for(device) if gpu else None                # its bandwidth: the roofline's slope
     scale, why = make_scale(args, gpu, card[1].memory if gpu else None)
+    # One Bench for the run: an 8B engine costs ~30 s to build and compile, so experiments that
+    # want the same engine share it; one that needs another frees the kept one first
     b = Bench(args, scale)           # the engines, built once and shared by the experiments
     meta = {"device": card[0] if gpu else f"CPU ({platform.processor() or platform.machine()}, "
                                           f"{torch.get_num_threads()} threads)",
@@ -155,6 +140,7 @@ def main(argv=None):
               flush=True)
     except NotImplementedError as e:
         print(f"bench: no plan ({e})\n", file=sys.stderr)
+    # Each experiment's entry keeps its own meta too: a merged file mixes runs (--only reruns)
     results["meta"] = meta                 # the latest run
     with strict_sdpa(args.strict_sdpa):
         if args.check:               # a verdict per GPU path: trust the engine before timing it
@@ -171,6 +157,7 @@ def main(argv=None):
 def run_all(b: Bench, names: list, results: dict, meta: dict, folder: str | None):
     """The experiments one after another (they never share the machine), each saved and drawn
     when done."""
+    # A stock GPU image may lack matplotlib: the figures matter, the pictures are a bonus
     try:
         import matplotlib  # noqa: F401  (the pictures)
     except ImportError:
@@ -192,6 +179,7 @@ def run_all(b: Bench, names: list, results: dict, meta: dict, folder: str | None
             except Exception as e:                # noqa: BLE001 (a picture never costs the figures)
                 fig["plot_error"] = f"{type(e).__name__}: {e}"
         results[name] = fig
+        # The table names its weights: random ones time honestly, but their text is noise
         models = "; ".join(f"{p} ({label})" for p, label in b.used.items())
         picture = f"\n\nPicture: {fig['plot']}" if fig.get("plot") else ""
         print(f"\n## {name}\n\n" + (f"Model: {models}.\n\n" if models else "")
@@ -212,6 +200,7 @@ def run_all(b: Bench, names: list, results: dict, meta: dict, folder: str | None
 def run_experiment(b: Bench, name: str) -> tuple[dict, str]:
     """One experiment in isolation: one that raises reports its error (its table and its JSON entry)
     and frees what it held, and the next experiment runs."""
+    # Why isolate: on a rented GPU a crash in experiment 3 must not cost the minutes of 4 to 13
     try:
         return EXPERIMENTS[name].run(b)
     except Exception as e:                    # noqa: BLE001 (KeyboardInterrupt still stops the run)
@@ -225,18 +214,11 @@ def run_experiment(b: Bench, name: str) -> tuple[dict, str]:
         b.done()
 
 
-def plots_dir(args) -> str | None:
-    """Where the pictures go: --plots, else beside --json (results/x.json -> results/x/), else
-    ./bench-plots."""
-    if args.no_plots:
-        return None
-    return args.plots or (os.path.splitext(args.json)[0] if args.json else "bench-plots")
-
-
 def failed(results: dict) -> bool:
     """Whether an experiment or a check of THIS run (not one merged from the file) failed: the
     exit status."""
     meta = results.get("meta")
+    # Identity, not equality: an entry merged from an older run carries an equal-looking meta
     mine = [r for k, r in results.items()
             if k != "meta" and isinstance(r, dict) and r.get("meta") is meta]
     return any("error" in r for r in mine) or any(c["verdict"] == check.FAIL for r in mine

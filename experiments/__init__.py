@@ -14,14 +14,15 @@ the table, `plot(results) -> Figure`, drawn from the results dict alone.
   continuous-vs-static  a heterogeneous workload, static groups vs continuous batching
   prefix                a long shared system prompt, prefix caching off vs on
   speculative           n-gram (or --draft) drafts at k = 1..8: acceptance, speedup, prediction
-  quantization          bf16 vs int8 weights (and int8 KV): bytes, tokens/s, perplexity
+  quantization          float, fp8, int8, LLM.int8(), int4, AWQ (and int8 KV): bytes, tokens/s, perplexity
   compile               the eager step (host-bound on a GPU) vs the compiled one, and the compile time
   peer                  Hugging Face transformers' generate on the same workload and weights
   serving               users over HTTP at rising Poisson rates: throughput, TTFT, TPOT, the knee
   tensor-parallel       decode split over N processes, and the lecture's arithmetic for 8B and 70B
   kv-compression        MHA vs GQA vs MQA bytes per token and batch per budget; a sliding window
 
-Shared helpers: common.py. The plan: plan.py. The GPU self-check (--check): check.py.
+Shared helpers: common.py. The plan: plan.py. The GPU self-check (--check): check.py. The
+command line: cli.py.
 """
 import os
 
