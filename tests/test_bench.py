@@ -1029,6 +1029,19 @@ def test_memory_plan_counts_each_part():
     assert kv["kv-cache"] > kv["roofline"], "the naive path's recompute comes on top of the engine"
 
 
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "int4"])
+def test_planned_quantized_bytes_equal_the_whole_model_quantized(quantization):
+    """The plan quantizes 1 and 2 layers and extrapolates (every layer has one shape); it must
+    equal quantize_model on the whole model, counted on the meta device (the tied head once)."""
+    from model import load_model
+    from quantize import quantize_model
+    dtype = torch.bfloat16           # the float buffers (rope's inv_freq) stay float32 in a bf16 model
+    model = quantize_model(load_model("random:smollm2-135m", device="meta", dtype=dtype)[0], quantization)
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    whole = sum(t.nbytes for t in tensors.values())
+    assert plan._weight_bytes("random:smollm2-135m", dtype, quantization) == whole, quantization
+
+
 def test_time_plan_of_a_gpu_run_meets_its_limits(capsys):
     """`bench.py --plan`: no model built, no GPU; on one H100 the full run plans at <= 10 minutes,
     --quick <= 5, --check <= 3, every experiment at the lecture's scale (the 8B preset)."""
