@@ -287,11 +287,18 @@ def test_windowed_attention_equals_dense_windowed_reference(block_size, n_heads,
 @pytest.mark.assignment("decode-attention")
 @pytest.mark.needs("engine")
 def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
+    """Both engines give the dense model's greedy tokens (model.generate: no cache, no paging), and
+    after warm-up the compiled one never compiles again."""
     from torch._dynamo.utils import counters
+
+    from model import generate, load_model
     prompts = [[5, 6, 7], list(range(100, 130)), [42] * 5, list(range(7, 20)), [9, 8, 7, 6], [300, 301]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 7, 15, 3, 25, 11)]
     kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 22, block_size=4)
     eager = run_staggered(LLM(tiny_path, **kw), prompts, params)
+    dense = load_model(tiny_path)[0]
+    assert eager == [generate(dense, p, sp.max_tokens) for p, sp in zip(prompts, params)], \
+        "the eager engine's paged attention (StepContext) changed a greedy output"
     llm = LLM(tiny_path, compile=True, **kw)
     assert llm.decoder is not None and llm.compile_seconds > 0
     graphs = counters["stats"]["unique_graphs"]
