@@ -333,3 +333,59 @@ def launch_int8_matmul(rows, weight, scale, tile: tuple | None = None):
 int8_matmul.register_fake(lambda x, weight, scale: x.new_empty(*x.shape[:-1], weight.shape[0]))
 # CUDA: up to this many rows through the Triton kernel (decode); more: converted weight
 INT8_KERNEL_ROWS = 64
+
+
+# --- The int4 weight matmul (quantize.Int4Linear on CUDA) ---------------------------------
+# Half int8's bytes, but twice the unpacking per byte: the scale and zero of a group factor out
+# of its sum, sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k), so the inner loop only
+# unpacks levels 0..15 (exact in any float dtype) and the tensor cores multiply them with x.
+@autotune(configs=configs(*[(n, warps, stages) for n in (16, 32, 64) for warps, stages in
+                            ((2, 3), (4, 3), (4, 5), (8, 4))], names=("BLOCK_N",)),
+          key=["N", "K", "BLOCK_M"])
+@jit
+def _int4_matmul_kernel(x, w, scale, zero, y, M, N, K, sx, sw, ss, sy, GROUP: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # pragma: no cover (GPU)
+    """y[M, N] = x[M, K] @ ((q - zero) * scale)^T, q [N, K // 2] two levels a byte (input 2j in
+    the low nibble), scale and zero [N, K // GROUP]: program (n, m) streams BLOCK_N weight rows
+    once, a group (GROUP // 2 bytes a row) per iteration, unpacked in registers."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.arange(0, GROUP // 2)                                     # a group's bytes in a row
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)                   # y^T: [n, m]
+    for g in range(0, K // GROUP):
+        k = g * GROUP + tl.arange(0, GROUP)
+        xt = tl.load(x + m[None, :] * sx + k[:, None], mask=(m < M)[None, :], other=0.0)
+        p = tl.load(w + n[:, None] * sw + g * (GROUP // 2) + j[None, :], mask=(n < N)[:, None],
+                    other=0)                                                 # [BLOCK_N, GROUP / 2]
+        levels = tl.interleave(p & 15, p >> 4).to(xt.dtype)                  # [BLOCK_N, GROUP]
+        s = tl.load(scale + n * ss + g, mask=n < N, other=0.0).to(tl.float32)
+        z = tl.load(zero + n * ss + g, mask=n < N, other=0).to(tl.float32)
+        dot = tl.dot(levels, xt, input_precision="ieee" if xt.dtype == tl.float32 else "tf32")
+        acc += s[:, None] * (dot - z[:, None] * tl.sum(xt.to(tl.float32), 0)[None, :])
+    tl.store(y + m[None, :] * sy + n[:, None], acc, mask=(m < M)[None, :] & (n < N)[:, None])
+
+
+@torch.library.custom_op("nanoinfer::int4_matmul", mutates_args=())
+def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                zero: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ the int4 weight's dequantized [N, K]^T (quantize.Int4Linear's buffers) ->
+    [..., N] in x's dtype: the Triton kernel (CUDA; a custom op, as int8_matmul)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return launch_int4_matmul(rows, weight, scale, zero).view(*x.shape[:-1], weight.shape[0])
+
+
+def launch_int4_matmul(rows, weight, scale, zero, tile: tuple | None = None):
+    """The kernel on rows [M, K]: autotuned, or tile = (BLOCK_N, num_warps, num_stages) given."""
+    M, N, K = rows.shape[0], weight.shape[0], rows.shape[1]
+    y = torch.empty(M, N, device=rows.device, dtype=rows.dtype)
+    BLOCK_M = 16 if M <= 16 else 64
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, BLOCK_M))    # noqa: E731
+    kernel, fixed = (_int4_matmul_kernel, {}) if tile is None else \
+        (_int4_matmul_kernel.fn, dict(BLOCK_N=tile[0], num_warps=tile[1], num_stages=tile[2]))
+    kernel[grid](rows, weight, scale, zero, y, M, N, K, rows.stride(0), weight.stride(0),
+                 scale.stride(0), y.stride(0), GROUP=K // scale.shape[1], BLOCK_M=BLOCK_M, **fixed)
+    return y
+
+
+int4_matmul.register_fake(lambda x, weight, scale, zero:
+                          x.new_empty(*x.shape[:-1], weight.shape[0]))

@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cache import KVCache, store_rows
-from kernels import INT8_KERNEL_ROWS, int8_matmul
+from kernels import INT8_KERNEL_ROWS, int4_matmul, int8_matmul
 from support.gpu import triton
 
 QMAX = 127   # symmetric: [-127, 127], so -q is always representable
@@ -219,6 +219,13 @@ class Int4Linear(QuantLinear):
         self.register_buffer("weight", pack_int4(q))               # [out, in // 2] uint8
         self.register_buffer("scale", scale)                       # [out, in // group] float16
         self.register_buffer("zero", zero)                         # [out, in // group] uint8
+
+    def forward(self, x):
+        if (x.device.type == "cuda" and triton is not None and self.group in (32, 64, 128)
+                and x.numel() <= INT8_KERNEL_ROWS * self.in_features):    # decode: the Triton
+            y = int4_matmul(x, self.weight, self.scale, self.zero)     # kernel reads the bytes
+            return y if self.bias is None else y + self.bias           # once, unpacks in registers
+        return super().forward(x)
 
     def dequantized(self, dtype):
         return dequantize_int4(unpack_int4(self.weight), self.scale, self.zero, dtype)

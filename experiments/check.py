@@ -22,7 +22,7 @@ import torch
 import kernels
 from graphs import dynamic, size_oblivious
 from model import load_model
-from quantize import FUSED_ROWS, Int8KVCache, Int8Linear, quantize_model
+from quantize import FUSED_ROWS, Int8KVCache, QuantLinear, quantize_model
 from sampler import SamplingParams
 from support.checkpoint import RANDOM_PREFIX
 from support.checks import check_tensor_parallel
@@ -98,45 +98,51 @@ def check_compiled(b):
     return verdict, f"{graphs} CUDA graphs recorded in {comp.compile_seconds:.0f} s, {steps} replayed steps; {detail}"
 
 
-def int8_layers(path, device) -> dict:
-    """{(in, out): an Int8Linear of that shape} of the model quantized (float32 weights)."""
-    model, layers = quantize_model(load_model(path, device=device, dtype=torch.float32)[0]), {}
+def quantized_layers(path, device, method) -> dict:
+    """{(in, out): a `method` layer of that shape} of the model quantized (float32 weights)."""
+    model = quantize_model(load_model(path, device=device, dtype=torch.float32)[0], method)
+    layers = {}
     for m in model.modules():
-        if isinstance(m, Int8Linear):
+        if isinstance(m, QuantLinear):
             layers.setdefault((m.in_features, m.out_features), m)
     return layers
 
 
 def check_int8_fused(b):
-    """Every distinct int8 layer shape, eagerly and through torch.compile (rows 1 and FUSED_ROWS),
-    against x @ dequantized(w)^T in float64. On CUDA both run the Triton kernel (quantize.int8_matmul,
-    the bytes converted in registers); on a CPU, the compiled fused reduction and the eager product."""
-    layers, cuda = int8_layers(b.quality_path, b.device), b.device.type == "cuda"
-    # On a CPU, bf16 activations take another kernel (_weight_int8pack_mm), and each compile costs
-    # seconds: the dry run compiles the smallest and the largest layer in float32 only.
-    shapes = sorted(layers, key=lambda s: s[0] * s[1])
-    shapes = shapes if cuda else [shapes[0], shapes[-1]]
+    """Every distinct int8 and int4 layer shape, eagerly and through torch.compile (rows 1 and
+    FUSED_ROWS), against x @ dequantized(w)^T in float64. On CUDA both run the Triton kernels
+    (kernels.int8_matmul, int4_matmul: the bytes unpacked in registers); on a CPU, the compiled
+    fused reduction and the eager product."""
+    cuda, worst, gen = b.device.type == "cuda", {}, torch.Generator().manual_seed(0)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    worst, gen = {}, torch.Generator().manual_seed(0)
-    for dtype in [torch.float32] + ([torch.bfloat16] if cuda else []):
-        tol = 1e-5 if dtype == torch.float32 else 2 ** -7      # bf16: x and the output rounded to 8 bits
-        for shape in shapes:
-            layer, fused = layers[shape], torch.compile(layers[shape], fullgraph=True)
-            w = layer.weight.double() * layer.scale.double()[:, None]             # the dequantized weight
-            for rows in (FUSED_ROWS, 1):          # symbolic rows, size 1 included: one compile per layer and dtype
-                x = dynamic(torch.randn(rows, shape[0], generator=gen).to(b.device, dtype), 0)
-                want = x.double() @ w.t()
-                with torch.inference_mode(), size_oblivious():
-                    got = {"eager": layer(x), "compiled": fused(x)}
-                for how, y in got.items():
-                    err = ((y.double() - want).abs().max() / want.abs().max()).item()
-                    worst[(str(dtype), shape)] = max(err, worst.get((str(dtype), shape), 0.0))
-                    if not err <= tol:
-                        return FAIL, (f"{dtype}, layer {shape[0]}->{shape[1]}, {rows} rows, {how}: differs from "
-                                      f"the dequantized product by {err:.3g} (> {tol:g})")
-    dtypes = ", ".join(sorted({k[0].replace("torch.", "") for k in worst}))
-    return PASS, (f"{len(shapes)} layer shapes x rows 1 and {FUSED_ROWS}, eager and compiled, {dtypes}: largest "
-                  f"difference from the dequantized product {max(worst.values()):.2g} of the output's largest value")
+    for method in ("int8", "int4"):
+        layers = quantized_layers(b.quality_path, b.device, method)
+        # On a CPU, bf16 activations take another kernel (_weight_int8pack_mm), and each compile
+        # costs seconds: the dry run compiles the smallest and the largest layer in float32 only.
+        shapes = sorted(layers, key=lambda s: s[0] * s[1])
+        shapes = shapes if cuda else [shapes[0], shapes[-1]][:2 if method == "int8" else 1]
+        for dtype in [torch.float32] + ([torch.bfloat16] if cuda else []):
+            tol = 1e-5 if dtype == torch.float32 else 2 ** -7    # bf16: x and the output rounded
+            for shape in shapes:
+                layer, fused = layers[shape], torch.compile(layers[shape], fullgraph=True)
+                w = layer.dequantized(torch.float64)                 # the dequantized weight
+                for rows in (FUSED_ROWS, 1):  # symbolic rows, 1 included: one compile a layer, dtype
+                    x = dynamic(torch.randn(rows, shape[0], generator=gen).to(b.device, dtype), 0)
+                    want = x.double() @ w.t()
+                    with torch.inference_mode(), size_oblivious():
+                        got = {"eager": layer(x), "compiled": fused(x)}
+                    for how, y in got.items():
+                        err = ((y.double() - want).abs().max() / want.abs().max()).item()
+                        key = (method, str(dtype), shape)
+                        worst[key] = max(err, worst.get(key, 0.0))
+                        if not err <= tol:
+                            return FAIL, (f"{method}, {dtype}, layer {shape[0]}->{shape[1]}, {rows} rows, "
+                                          f"{how}: differs from the dequantized product by {err:.3g} "
+                                          f"(> {tol:g})")
+    dtypes = ", ".join(sorted({k[1].replace("torch.", "") for k in worst}))
+    return PASS, (f"{len(worst)} (format, dtype, layer shape) x rows 1 and {FUSED_ROWS}, eager and compiled, "
+                  f"{dtypes}: largest difference from the dequantized product {max(worst.values()):.2g} of "
+                  "the output's largest value")
 
 
 def check_int8_kv(b):
@@ -298,7 +304,7 @@ def check_sdpa_bf16(b):
 
 
 CHECKS = {"compiled + CUDA graphs = eager (float32, real model)": check_compiled,
-          "int8 kernels = dequantized product": check_int8_fused,
+          "int8, int4 kernels = dequantized product": check_int8_fused,
           "int8 KV cache within its bound": check_int8_kv,
           "tensor parallel (NCCL) N = 2 = N = 1": check_tensor_parallel_nccl,
           "CUDA-graph memory fits as budgeted": check_graph_memory,

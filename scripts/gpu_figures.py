@@ -198,13 +198,12 @@ def stage_decode(args):
     save(args.out, f"{args.tag}batch1", r)
     if args.tag:                                  # int8, int4: batch 1 and a small batch only
         save(args.out, f"{args.tag}batch8", decode_steps(llm, min(8, args.max_num_seqs), args.context, 16))
+        profile(llm, args)
         if args.baseline:                         # bf16 batch 1 in the same run: the ratio's baseline
             del llm
             torch.cuda.empty_cache()
             args.tag, (llm, _) = "", engine(argparse.Namespace(**{**vars(args), "tag": ""}))
             save(args.out, "bf16_batch1", decode_steps(llm, 1, args.context, 64))
-            return
-        profile(llm, args)
         return
     curve = []
     for B in [b for b in [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256] if b <= args.max_num_seqs]:
@@ -305,8 +304,8 @@ def main():
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--pool-gib", type=float, default=8)
-    ap.add_argument("--baseline", action="store_true", help="int8: then bf16 batch 1 in the same run "
-                    "(no profile)")
+    ap.add_argument("--baseline", action="store_true", help="int8, int4: then bf16 batch 1 in the "
+                    "same run")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's logic (tiny preset)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -6,6 +6,7 @@ scripts/gpu_kernels.py -- the decode kernels alone, at Llama-3.1-8B's shapes, ag
   attention  kernels.launch_paged_decode (Triton, pages read where they lie) over block sizes of keys,
              splits and warps, against SDPA's fused kernels on the same keys stored densely (the same
              bytes, no paging): microseconds and KV GB/s (bytes it must read / time), bf16 error
+  int4       kernels.launch_int4_matmul (Triton) over tiles, against cuBLAS bf16 and torch's tinygemm int4 kernel
   int8       kernels.launch_int8_matmul (Triton) over tile shapes, against cuBLAS on the bf16 weight
              (2 bytes a weight) and on the int8 weight converted first: microseconds and weight GB/s
 
@@ -131,6 +132,50 @@ def int8(out: dict, save):
         torch.cuda.empty_cache()
 
 
+def int4(out: dict, save):
+    """kernels.launch_int4_matmul (group 128) over tiles, against cuBLAS on the bf16 weight and
+    torch's tinygemm int4 kernel (_weight_int4pack_mm: what torchao and gpt-fast call on CUDA)."""
+    rows, group = [], 32 if DRY else 128
+    shapes = [(48, 64)] if DRY else [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
+    for (N, K), M in itertools.product(shapes, [1, 20] if DRY else [1, 8]):
+        nbytes = N * K // 2 + 3 * N * K // group                      # levels, float16 scale, uint8 zero
+        make = lambda: torch.randint(0, 256, (N, K // 2), device=DEV, dtype=torch.uint8)   # noqa: E731
+        wq, wb = rotating(make, nbytes), rotating(lambda: torch.randn(N, K, device=DEV, dtype=torch.bfloat16), 2 * N * K)
+        scale = (torch.rand(N, K // group, device=DEV) / 50 + 1e-3).half()
+        zero = torch.randint(0, 16, (N, K // group), device=DEV, dtype=torch.uint8)
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        w0 = wq()
+        levels = torch.stack((w0 & 15, w0 >> 4), -1).view(N, K).float()
+        dense = ((levels.view(N, -1, group) - zero[..., None].float()) * scale[..., None].float()).view(N, K)
+        ref = x.float() @ dense.t()
+        row = {"N": N, "K": K, "M": M, "bytes": nbytes}
+        ms = graph_ms(lambda: F.linear(x, wb()), iters=20, samples=5)
+        row["bf16 cublas"] = {"us": ms * 1e3, "GBps": 2 * N * K / ms / 1e6}
+        try:      # tinygemm: column 2j in the HIGH nibble, w = (q - 8) * scale + zero, [K / group, N, 2] bf16
+            packed = torch._convert_weight_to_int4pack((w0 >> 4) | (w0 << 4), 8)
+            sz = torch.stack((scale.t(), ((8 - zero.float()) * scale.float()).t()), -1).to(torch.bfloat16)
+            y = torch._weight_int4pack_mm(x, packed, group, sz.contiguous())
+            packs = rotating(lambda: torch._convert_weight_to_int4pack(make(), 8), nbytes)
+            ms = graph_ms(lambda: torch._weight_int4pack_mm(x, packs(), group, sz), iters=20, samples=5)
+            row["tinygemm"] = {"us": ms * 1e3, "GBps": nbytes / ms / 1e6,
+                               "err": ((y.float() - ref).norm() / ref.norm()).item()}
+        except Exception as e:  # noqa: BLE001
+            row["tinygemm"] = repr(e)[:200]
+        for tile in [None] + [(n, warps, stages) for n in (16, 32, 64) for warps, stages in ((4, 3), (8, 4))]:
+            try:
+                y = kernels.launch_int4_matmul(x, w0, scale, zero, tile)
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                ms = graph_ms(lambda: kernels.launch_int4_matmul(x, wq(), scale, zero, tile), iters=20, samples=5)
+                row[f"triton {tile or 'autotuned'}"] = {"us": ms * 1e3, "GBps": nbytes / ms / 1e6, "err": err}
+            except Exception as e:  # noqa: BLE001
+                row[f"triton {tile or 'autotuned'}"] = repr(e)[:200]
+        row["best"] = min((key for key in row if key.startswith("triton") and isinstance(row[key], dict)),
+                          key=lambda key: row[key]["us"], default=None)
+        rows.append(row)
+        save("int4", rows)
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
@@ -144,7 +189,7 @@ def main():
         with open(os.path.join(args.out, "kernels.json"), "w") as f:
             json.dump(data, f, indent=1)
     for name in args.only.split(","):
-        {"attention": attention, "int8": int8}[name](data, save)
+        {"attention": attention, "int8": int8, "int4": int4}[name](data, save)
     for r in data.get("attention", []):
         b = r["best"]
         print(f"attention B={r['B']} ctx={r['ctx']}: best {b} {r[b]['us']:.1f} us {r[b]['GBps']:.0f} GB/s "
@@ -155,6 +200,12 @@ def main():
         print(f"int8 {r['N']}x{r['K']} M={r['M']}: best {b} {r[b]['us']:.1f} us {r[b]['GBps']:.0f} GB/s; "
               f"autotuned {r['triton autotuned']['us'] if isinstance(r['triton autotuned'], dict) else '-'} us; "
               f"bf16 cublas {r['bf16 cublas']['us']:.1f} us; converted {r['int8 converted']['us']:.1f} us")
+    for r in data.get("int4", []):
+        b, t = r["best"], r["tinygemm"]
+        print(f"int4 {r['N']}x{r['K']} M={r['M']}: best {b} {r[b]['us']:.1f} us {r[b]['GBps']:.0f} GB/s err "
+              f"{r[b]['err']:.1e}; autotuned {r['triton autotuned'].get('us', '-') if isinstance(r['triton autotuned'], dict) else '-'} us; "
+              f"bf16 cublas {r['bf16 cublas']['us']:.1f} us; tinygemm " +
+              (f"{t['us']:.1f} us {t['GBps']:.0f} GB/s err {t['err']:.1e}" if isinstance(t, dict) else t[:80]))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # every log line and figure written under $OUT as it goes (a run cut short keeps what it measured).
 #
 #   OUT=gpu-out scripts/gpu_run.sh probe decode check int8      # the stages, in this order
-#   stages: probe | decode | int8 | int8+bf16 | int4 | continuous (scripts/gpu_figures.py) | kernels (scripts/gpu_kernels.py)
+#   stages: probe | decode | int8 | int8+bf16 | int4 | int4+bf16 | continuous (scripts/gpu_figures.py) | kernels (scripts/gpu_kernels.py)
 #           | check (python bench.py --check) | quick (python bench.py --quick) | bench (python bench.py)
 #   STAGE=SECONDS overrides a stage's limit; quick:a,b and bench:a,b run only experiments a and b
 set -u
@@ -29,7 +29,8 @@ for s in "$@"; do
         int4)   run "${limit:-150}" python3 scripts/gpu_figures.py int4 --out "$OUT" ;;
         continuous) run "${limit:-120}" python3 scripts/gpu_figures.py continuous --out "$OUT" ;;
         int8+bf16) run "${limit:-180}" python3 scripts/gpu_figures.py int8 --baseline --out "$OUT" ;;
-        kernels) run "${limit:-150}" python3 scripts/gpu_kernels.py --out "$OUT" ;;
+        int4+bf16) run "${limit:-180}" python3 scripts/gpu_figures.py int4 --baseline --out "$OUT" ;;
+        kernels) run "${limit:-150}" python3 scripts/gpu_kernels.py --out "$OUT" ${only:+--only ${only#--only }} ;;
         check)  run "${limit:-120}" python3 bench.py --check --json "$OUT/check.json" --no-plots ;;
         quick)  run "${limit:-300}" python3 bench.py --quick $only --json "$OUT/quick.json" --plots "$OUT/plots" ;;
         bench)  run "${limit:-600}" python3 bench.py $only --json "$OUT/bench.json" --plots "$OUT/plots" ;;

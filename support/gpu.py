@@ -19,7 +19,8 @@ except ImportError:  # pragma: no cover (depends on the install)
 
 
 def configs(*shapes, names=("BLOCK_N", "BLOCK_K")) -> list:
-    """triton.Config of each (value, ..., num_warps) tuple ([] without Triton)."""
+    """triton.Config of each (value, ..., num_warps[, num_stages]) tuple ([] without Triton)."""
     if triton is None:  # pragma: no cover (depends on the install)
         return []
-    return [triton.Config(dict(zip(names, c[:-1])), num_warps=c[-1]) for c in shapes]
+    n = len(names)
+    return [triton.Config(dict(zip(names, c[:n])), *c[n:]) for c in shapes]

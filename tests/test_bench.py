@@ -879,7 +879,7 @@ def test_check_dry_run_on_cpu_saves_each_verdict_as_it_ends(tmp_path, capsys, mo
     assert list(checks) == list(check.CHECKS) and seen == list(range(1, len(check.CHECKS) + 1))
     verdicts = {name: c["verdict"] for name, c in checks.items()}
     assert verdicts == {"compiled + CUDA graphs = eager (float32, real model)": "skipped: CPU",
-                        "int8 kernels = dequantized product": "pass", "int8 KV cache within its bound": "pass",
+                        "int8, int4 kernels = dequantized product": "pass", "int8 KV cache within its bound": "pass",
                         "tensor parallel (NCCL) N = 2 = N = 1": "skipped: CPU",
                         "CUDA-graph memory fits as budgeted": "skipped: CPU",
                         "SDPA reaches a fused backend": "skipped: CPU",
@@ -896,7 +896,7 @@ def tiny_bench(quick=True) -> common.Bench:
 
 def test_checks_fail_on_a_wrong_path(monkeypatch):
     """The verdicts can fail: a quantizer that truncates breaks the int8 KV bound, a compiled product
-    that drifts fails "int8 kernels = dequantized product" (compile stubbed: the comparison is what is tested)."""
+    that drifts fails "int8, int4 kernels = dequantized product" (compile stubbed: the comparison is what is tested)."""
     import quantize
     b, right = tiny_bench(), quantize.quantize_int8
 

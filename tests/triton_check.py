@@ -68,7 +68,26 @@ def int8_matmul(device: str) -> list[str]:
     return failures
 
 
-CHECKS = {"paged_decode": paged_decode, "int8_matmul": int8_matmul}
+def int4_matmul(device: str) -> list[str]:
+    """Groups of 32-128 inputs, decode (1-16 rows) and prefill-sized (17-64 rows) tiles, ragged N, the
+    zero points and scales of real quantized rows: the kernel equals x @ dequantized(w)^T (float32)."""
+    failures, g = [], torch.Generator().manual_seed(2)
+    for M, N, K, group in [(1, 48, 64, 32), (5, 100, 256, 64), (16, 64, 256, 128), (20, 33, 384, 128),
+                           (64, 40, 128, 64)]:
+        w, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g).to(device)
+        w[:, :group] += 1.0                                   # an all-positive first group: zero point 0
+        q, scale, zero = quantize.quantize_int4(w, group)
+        ref = x @ quantize.dequantize_int4(q, scale, zero).to(device).t()
+        args = [t.to(device) for t in (quantize.pack_int4(q), scale, zero)]
+        for tile in [(16, 4, 2), (32, 2, 3), (64, 8, 4)] + ([None] if device == "cuda" else []):
+            y = kernels.launch_int4_matmul(x, *args, tile)
+            err = ((y - ref).norm() / ref.norm()).item()
+            if not err <= 1e-5:
+                failures.append(f"int4_matmul M={M} N={N} K={K} group={group} tile={tile}: relative error {err:.2e}")
+    return failures
+
+
+CHECKS = {"paged_decode": paged_decode, "int8_matmul": int8_matmul, "int4_matmul": int4_matmul}
 
 
 def run(name: str) -> list[str]:
