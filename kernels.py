@@ -336,32 +336,56 @@ INT8_KERNEL_ROWS = 64
 
 
 # --- The int4 weight matmul (quantize.Int4Linear on CUDA) ---------------------------------
-# Half int8's bytes, but twice the unpacking per byte: the scale and zero of a group factor out
-# of its sum, sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k), so the inner loop only
-# unpacks levels 0..15 (exact in any float dtype) and the tensor cores multiply them with x.
-@autotune(configs=configs(*[(n, warps, stages) for n in (16, 32, 64) for warps, stages in
-                            ((2, 3), (4, 3), (4, 5), (8, 4))], names=("BLOCK_N",)),
+# Half int8's bytes, but twice the unpacking per byte, and a GPU converts integers to floats at
+# a quarter of its integer rate: the unpacking, not the bytes, can set the time. Two ways out:
+#  * a group's scale and zero factor out of its sum, sum_k x_k (q_k - z) s =
+#    s (sum_k x_k q_k - z sum_k x_k): the tensor cores multiply the LEVELS, scaled once a group;
+#  * a level q becomes a float by setting bits, not by converting: 0x4300 | q is the bf16 value
+#    128 + q (0x6400 | q: the fp16 1024 + q); the 128 is subtracted with the zero point.
+@jit
+def _levels(nibbles, dtype: tl.constexpr):  # pragma: no cover (a GPU's kernel)
+    """Levels 0..15 as `dtype` values OFFSET + q (bf16, fp16: by their bits), q (float32)."""
+    if dtype == tl.bfloat16:
+        return (nibbles.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    if dtype == tl.float16:
+        return (nibbles.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    return nibbles.to(dtype)
+
+
+@autotune(configs=configs(*[(n, gs, warps, 3) for n, gs, warps in
+                            ((16, 2, 4), (16, 4, 4), (16, 8, 8), (32, 2, 4), (32, 4, 8),
+                             (64, 1, 4), (64, 2, 8))], names=("BLOCK_N", "GROUPS")),
           key=["N", "K", "BLOCK_M"])
 @jit
 def _int4_matmul_kernel(x, w, scale, zero, y, M, N, K, sx, sw, ss, sy, GROUP: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # pragma: no cover (GPU)
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GROUPS: tl.constexpr):  # pragma: no cover (a GPU's kernel)
     """y[M, N] = x[M, K] @ ((q - zero) * scale)^T, q [N, K // 2] two levels a byte (input 2j in
     the low nibble), scale and zero [N, K // GROUP]: program (n, m) streams BLOCK_N weight rows
-    once, a group (GROUP // 2 bytes a row) per iteration, unpacked in registers."""
+    once, GROUPS groups (GROUP // 2 bytes each, a row) per iteration, unpacked in registers."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    j = tl.arange(0, GROUP // 2)                                     # a group's bytes in a row
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)                   # y^T: [n, m]
-    for g in range(0, K // GROUP):
-        k = g * GROUP + tl.arange(0, GROUP)
-        xt = tl.load(x + m[None, :] * sx + k[:, None], mask=(m < M)[None, :], other=0.0)
-        p = tl.load(w + n[:, None] * sw + g * (GROUP // 2) + j[None, :], mask=(n < N)[:, None],
-                    other=0)                                                 # [BLOCK_N, GROUP / 2]
-        levels = tl.interleave(p & 15, p >> 4).to(xt.dtype)                  # [BLOCK_N, GROUP]
-        s = tl.load(scale + n * ss + g, mask=n < N, other=0.0).to(tl.float32)
-        z = tl.load(zero + n * ss + g, mask=n < N, other=0).to(tl.float32)
-        dot = tl.dot(levels, xt, input_precision="ieee" if xt.dtype == tl.float32 else "tf32")
-        acc += s[:, None] * (dot - z[:, None] * tl.sum(xt.to(tl.float32), 0)[None, :])
+    j = tl.arange(0, GROUP // 2)                                  # a group's bytes in a row
+    OFFSET: tl.constexpr = 128.0 if x.dtype.element_ty == tl.bfloat16 else (
+        1024.0 if x.dtype.element_ty == tl.float16 else 0.0)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)                # y^T: [n, m]
+    for g0 in range(0, K // GROUP, GROUPS):
+        g = g0 + tl.arange(0, GROUPS)                                            # [GROUPS]
+        real = g < K // GROUP
+        p = tl.load(w + n[None, :, None] * sw + g[:, None, None] * (GROUP // 2) + j[None, None, :],
+                    mask=real[:, None, None] & (n < N)[None, :, None], other=0)     # [GS, BN, G/2]
+        k = g[:, None, None] * GROUP + 2 * j[None, :, None]             # even inputs [GS, G/2, 1]
+        xm = real[:, None, None] & (m < M)[None, None, :]
+        xe = tl.load(x + m[None, None, :] * sx + k, mask=xm, other=0.0)           # [GS, G/2, BM]
+        xo = tl.load(x + m[None, None, :] * sx + k + 1, mask=xm, other=0.0)       # the odd inputs
+        prec: tl.constexpr = "ieee" if x.dtype.element_ty == tl.float32 else "tf32"
+        dot = (tl.dot(_levels(p & 15, xe.dtype), xe, input_precision=prec) +   # sum x_k (O + q_k)
+               tl.dot(_levels(p >> 4, xe.dtype), xo, input_precision=prec))    # [GS, BN, BM]
+        sz = n[None, :] * ss + g[:, None]
+        s = tl.load(scale + sz, mask=real[:, None] & (n < N)[None, :], other=0.0).to(tl.float32)
+        z = tl.load(zero + sz, mask=real[:, None] & (n < N)[None, :], other=0).to(tl.float32)
+        xsum = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)        # [GS, BM]
+        acc += tl.sum(s[:, :, None] * (dot - (z + OFFSET)[:, :, None] * xsum[:, None, :]), 0)
     tl.store(y + m[None, :] * sy + n[:, None], acc, mask=(m < M)[None, :] & (n < N)[:, None])
 
 
@@ -375,13 +399,13 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def launch_int4_matmul(rows, weight, scale, zero, tile: tuple | None = None):
-    """The kernel on rows [M, K]: autotuned, or tile = (BLOCK_N, num_warps, num_stages) given."""
+    """The kernel on rows [M, K]: autotuned, or tile = (BLOCK_N, GROUPS, num_warps) given."""
     M, N, K = rows.shape[0], weight.shape[0], rows.shape[1]
     y = torch.empty(M, N, device=rows.device, dtype=rows.dtype)
     BLOCK_M = 16 if M <= 16 else 64
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, BLOCK_M))    # noqa: E731
     kernel, fixed = (_int4_matmul_kernel, {}) if tile is None else \
-        (_int4_matmul_kernel.fn, dict(BLOCK_N=tile[0], num_warps=tile[1], num_stages=tile[2]))
+        (_int4_matmul_kernel.fn, dict(BLOCK_N=tile[0], GROUPS=tile[1], num_warps=tile[2]))
     kernel[grid](rows, weight, scale, zero, y, M, N, K, rows.stride(0), weight.stride(0),
                  scale.stride(0), y.stride(0), GROUP=K // scale.shape[1], BLOCK_M=BLOCK_M, **fixed)
     return y

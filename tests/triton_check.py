@@ -79,11 +79,15 @@ def int4_matmul(device: str) -> list[str]:
         q, scale, zero = quantize.quantize_int4(w, group)
         ref = x @ quantize.dequantize_int4(q, scale, zero).to(device).t()
         args = [t.to(device) for t in (quantize.pack_int4(q), scale, zero)]
-        for tile in [(16, 4, 2), (32, 2, 3), (64, 8, 4)] + ([None] if device == "cuda" else []):
-            y = kernels.launch_int4_matmul(x, *args, tile)
-            err = ((y - ref).norm() / ref.norm()).item()
-            if not err <= 1e-5:
-                failures.append(f"int4_matmul M={M} N={N} K={K} group={group} tile={tile}: relative error {err:.2e}")
+        for tile in [(16, 1, 4), (32, 2, 4), (16, 4, 8)] + ([None] if device == "cuda" else []):
+            # bf16 on CUDA only: Triton 3.6's interpreter multiplies bf16 wrongly (its own tl.dot test fails)
+            for dtype, bound in ((torch.float32, 1e-5), (torch.float16, 2e-3)) + \
+                    (((torch.bfloat16, 1e-2),) if device == "cuda" else ()):
+                y = kernels.launch_int4_matmul(x.to(dtype), *args, tile).float()
+                err = ((y - ref).norm() / ref.norm()).item()
+                if not err <= bound:
+                    failures.append(f"int4_matmul M={M} N={N} K={K} group={group} tile={tile} {dtype}: "
+                                    f"relative error {err:.2e}")
     return failures
 
 
