@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cache import KVCache, store_rows
-from kernels import INT8_KERNEL_ROWS, int4_matmul, int8_matmul
+from kernels import INT8_KERNEL_ROWS, int8_matmul
 from support.gpu import triton
 
 QMAX = 127   # symmetric: [-127, 127], so -q is always representable
@@ -209,7 +209,9 @@ def dequantize_int4(q, scale, zero, dtype=torch.float32):
 
 class Int4Linear(QuantLinear):
     """int4 weight [out, in // 2] uint8 with a float16 scale and a uint8 zero per group
-    [out, in // group]: 64 + 3 bytes per 128 weights (0.13x float32), unpacked in forward."""
+    [out, in // group]: 64 + 3 bytes per 128 weights (0.13x float32), unpacked in forward.
+    On CUDA in bf16, decode runs torch's int4 kernel (tinygemm, as gpt-fast and torchao): it
+    reads the same levels in its own tiled layout, `tiled`, made once here."""
 
     def __init__(self, linear: nn.Linear, group: int | None = None):
         super().__init__(linear)
@@ -219,16 +221,33 @@ class Int4Linear(QuantLinear):
         self.register_buffer("weight", pack_int4(q))               # [out, in // 2] uint8
         self.register_buffer("scale", scale)                       # [out, in // group] float16
         self.register_buffer("zero", zero)                         # [out, in // group] uint8
+        self.tiled = tinygemm_layout(self.weight, scale, zero, self.group, linear.weight.dtype)
 
     def forward(self, x):
-        if (x.device.type == "cuda" and triton is not None and self.group in (32, 64, 128)
-                and x.numel() <= INT8_KERNEL_ROWS * self.in_features):    # decode: the Triton
-            y = int4_matmul(x, self.weight, self.scale, self.zero)     # kernel reads the bytes
-            return y if self.bias is None else y + self.bias           # once, unpacks in registers
+        if (self.tiled is not None and x.is_cuda and x.dtype == torch.bfloat16
+                and x.numel() <= INT8_KERNEL_ROWS * self.in_features):   # decode: the kernel reads
+            y = torch._weight_int4pack_mm(x.reshape(-1, self.in_features), self.tiled[0],   # the
+                                          self.group, self.tiled[1])       # levels, never a float W
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         return super().forward(x)
 
     def dequantized(self, dtype):
         return dequantize_int4(unpack_int4(self.weight), self.scale, self.zero, dtype)
+
+
+def tinygemm_layout(packed, scale, zero, group: int, dtype):
+    """(levels, scales_and_zeros) for torch._weight_int4pack_mm where it runs (CUDA, bf16), else
+    None. Its levels: input 2j in the HIGH nibble, tiled; its dequantization (q - 8) * s + m with
+    m = (8 - zero) * s, [in // group, out, 2] bf16 (the float16 scale rounded to bf16)."""
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    tiles = next((t for t in (8, 4, 2) if K % (16 * t) == 0), None)
+    if not (packed.is_cuda and dtype == torch.bfloat16 and tiles and N % 8 == 0
+            and group in (32, 64, 128, 256) and hasattr(torch, "_convert_weight_to_int4pack")):
+        return None
+    levels = torch._convert_weight_to_int4pack((packed >> 4) | (packed << 4), tiles)
+    m = (8 - zero.float()) * scale.float()
+    return levels, torch.stack((scale.t().float(), m.t()), -1).to(torch.bfloat16).contiguous()
 
 
 # --- LLM.int8(): int8 x int8 products, the outlier columns in floating point --------------

@@ -6,7 +6,7 @@ scripts/gpu_kernels.py -- the decode kernels alone, at Llama-3.1-8B's shapes, ag
   attention  kernels.launch_paged_decode (Triton, pages read where they lie) over block sizes of keys,
              splits and warps, against SDPA's fused kernels on the same keys stored densely (the same
              bytes, no paging): microseconds and KV GB/s (bytes it must read / time), bf16 error
-  int4       kernels.launch_int4_matmul (Triton) over tiles, against cuBLAS bf16 and torch's tinygemm int4 kernel
+  int4       torch's tinygemm int4 kernel (Int4Linear's decode on CUDA), against cuBLAS on the bf16 weight
   int8       kernels.launch_int8_matmul (Triton) over tile shapes, against cuBLAS on the bf16 weight
              (2 bytes a weight) and on the int8 weight converted first: microseconds and weight GB/s
 
@@ -133,8 +133,8 @@ def int8(out: dict, save):
 
 
 def int4(out: dict, save):
-    """kernels.launch_int4_matmul (group 128) over tiles, against cuBLAS on the bf16 weight and
-    torch's tinygemm int4 kernel (_weight_int4pack_mm: what torchao and gpt-fast call on CUDA)."""
+    """torch's tinygemm int4 kernel (_weight_int4pack_mm: quantize.Int4Linear's decode on CUDA, as
+    torchao's and gpt-fast's), group 128, against cuBLAS on the bf16 weight."""
     rows, group = [], 32 if DRY else 128
     shapes = [(48, 64)] if DRY else [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
     for (N, K), M in itertools.product(shapes, [1, 20] if DRY else [1, 8]):
@@ -161,16 +161,6 @@ def int4(out: dict, save):
                                "err": ((y.float() - ref).norm() / ref.norm()).item()}
         except Exception as e:  # noqa: BLE001
             row["tinygemm"] = repr(e)[:200]
-        for tile in [None, (16, 4, 4), (16, 8, 8), (32, 4, 8), (64, 2, 8)]:
-            try:
-                y = kernels.launch_int4_matmul(x, w0, scale, zero, tile)
-                err = ((y.float() - ref).norm() / ref.norm()).item()
-                ms = graph_ms(lambda: kernels.launch_int4_matmul(x, wq(), scale, zero, tile), iters=20, samples=5)
-                row[f"triton {tile or 'autotuned'}"] = {"us": ms * 1e3, "GBps": nbytes / ms / 1e6, "err": err}
-            except Exception as e:  # noqa: BLE001
-                row[f"triton {tile or 'autotuned'}"] = repr(e)[:200]
-        row["best"] = min((key for key in row if key.startswith("triton") and isinstance(row[key], dict)),
-                          key=lambda key: row[key]["us"], default=None)
         rows.append(row)
         save("int4", rows)
         torch.cuda.empty_cache()
@@ -201,10 +191,8 @@ def main():
               f"autotuned {r['triton autotuned']['us'] if isinstance(r['triton autotuned'], dict) else '-'} us; "
               f"bf16 cublas {r['bf16 cublas']['us']:.1f} us; converted {r['int8 converted']['us']:.1f} us")
     for r in data.get("int4", []):
-        b, t = r["best"], r["tinygemm"]
-        print(f"int4 {r['N']}x{r['K']} M={r['M']}: best {b} {r[b]['us']:.1f} us {r[b]['GBps']:.0f} GB/s err "
-              f"{r[b]['err']:.1e}; autotuned {r['triton autotuned'].get('us', '-') if isinstance(r['triton autotuned'], dict) else '-'} us; "
-              f"bf16 cublas {r['bf16 cublas']['us']:.1f} us; tinygemm " +
+        t = r["tinygemm"]
+        print(f"int4 {r['N']}x{r['K']} M={r['M']}: bf16 cublas {r['bf16 cublas']['us']:.1f} us; tinygemm " +
               (f"{t['us']:.1f} us {t['GBps']:.0f} GB/s err {t['err']:.1e}" if isinstance(t, dict) else t[:80]))
 
 

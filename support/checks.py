@@ -257,10 +257,14 @@ def check_positive_ints(**values) -> None:
 def check_engine_config(c) -> None:
     """EngineConfig's fields against their declared ranges, then the options that depend
     on each other: a speculative step's k drafts and the token they verify fit one step's
-    budget; compile=True runs on one device."""
+    budget; compile=True runs on one device, and not with llm.int8."""
     check_fields(c)
     if c.compile and c.tensor_parallel_size != 1:
         raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
+    if c.compile and c.quantization == "llm.int8":
+        raise ValueError("quantization='llm.int8' picks its outlier columns on every call (a shape "
+                         "that depends on the data), which a CUDA graph cannot replay: use "
+                         "compile=False")
     if c.speculative is None:
         return
     directory = isinstance(c.speculative, str) and os.path.isdir(c.speculative)
