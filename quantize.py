@@ -245,9 +245,14 @@ def tinygemm_layout(packed, scale, zero, group: int, dtype):
     if not (packed.is_cuda and dtype == torch.bfloat16 and tiles and N % 8 == 0
             and group in (32, 64, 128, 256) and hasattr(torch, "_convert_weight_to_int4pack")):
         return None
-    levels = torch._convert_weight_to_int4pack((packed >> 4) | (packed << 4), tiles)
+    return (torch._convert_weight_to_int4pack((packed >> 4) | (packed << 4), tiles),
+            tinygemm_scales(scale, zero))
+
+
+def tinygemm_scales(scale, zero):
+    """(q - zero) * s as tinygemm's (q - 8) * s + m, m = (8 - zero) * s: [in // group, out, 2]."""
     m = (8 - zero.float()) * scale.float()
-    return levels, torch.stack((scale.t().float(), m.t()), -1).to(torch.bfloat16).contiguous()
+    return torch.stack((scale.t().float(), m.t()), -1).to(torch.bfloat16).contiguous()
 
 
 # --- LLM.int8(): int8 x int8 products, the outlier columns in floating point --------------

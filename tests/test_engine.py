@@ -390,6 +390,8 @@ def test_bad_engine_arguments_fail_with_a_message_naming_them(tiny_path):
         LLM(tiny_path, kv_cache_bytes=1 << 20, dtype="float8")
     with pytest.raises(ValueError, match="compile=True with tensor_parallel_size"):
         LLM(tiny_path, kv_cache_bytes=1 << 20, compile=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="llm.int8.*use compile=False"):
+        LLM(tiny_path, kv_cache_bytes=1 << 20, compile=True, quantization="llm.int8")
     with pytest.raises(ValueError, match="kv_cache_bytes=100 is too small"):
         LLM(tiny_path, kv_cache_bytes=100)
     with pytest.raises(ValueError, match="kv_cache_dtype must be None"):

@@ -338,6 +338,26 @@ def test_int4_quantizer_and_packing_equal_an_independent_reference():
     assert (back[1, :32] == 0).all(), "an all-zero group must stay zero"
 
 
+@pytest.mark.needs("int4")
+def test_tinygemm_scales_give_the_dequantized_product():
+    """On CUDA in bf16, Int4Linear decodes through torch's int4 kernel (tinygemm), whose weight is
+    (q - 8) * s + m: quantize.tinygemm_scales' m = (8 - zero) * s makes it ours. The kernel's CPU
+    twin (same scales layout) equals x @ dequantized^T within bf16's rounding; m = zero * s does not."""
+    import quantize
+    if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("this torch has no CPU int4 kernel")
+    w = torch.cat([int4_weights(), int4_weights()[:4]])                  # the kernel wants 16 rows
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0)).bfloat16()
+    q, scale, zero = quantize.quantize_int4(w, 32)
+    levels = torch._convert_weight_to_int4pack_for_cpu(q.int(), 2)
+    ref = x.float() @ quantize.dequantize_int4(q, scale, zero).t()
+    err = lambda sz: ((torch._weight_int4pack_mm_for_cpu(x, levels, 32, sz).float() - ref).norm()  # noqa: E731
+                      / ref.norm()).item()
+    assert err(quantize.tinygemm_scales(scale, zero)) < 1e-2, "tinygemm's zero term is m = (8 - zero) * scale"
+    wrong = torch.stack((scale.t().float(), (zero.float() * scale.float()).t()), -1).bfloat16().contiguous()
+    assert err(wrong) > 0.1
+
+
 @pytest.mark.assignment("int4")
 def test_int4_linear_is_exactly_the_dense_product_and_its_bytes():
     """Int4Linear(x) is EXACTLY F.linear on numpy's dequantized weight (+ bias), in float32; the
