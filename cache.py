@@ -1,28 +1,24 @@
 """
 cache.py -- the KV cache as virtual memory (PagedAttention).
 
-The lesson: caching every earlier token's keys and values makes a decode step
-O(T) instead of O(T^2), and makes the cache THE state of inference:
+The lesson: caching every earlier token's keys and values makes a decode step O(T) instead of
+O(T^2), and makes the cache THE state of inference:
 
     KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes_per_value
 
-SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes, so a 2048-token sequence
-holds 94 MB: the cache, not the 540 MB of weights, limits how many sequences fit at once.
+SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes, so a 2048-token sequence holds
+94 MB: the cache, not the 540 MB of weights, limits how many sequences fit at once.
 
-PagedAttention keeps it in blocks (pages) of `block_size` tokens anywhere in
-one pool, not in one [max_len, ...] buffer per sequence: a block table per
-sequence maps logical block i -> physical block id, like an OS page table.
-No memory waits for lengths never reached; sequences with the same leading
-tokens share blocks (prefix caching, found by hashing full blocks); n samples
-of a prompt share its blocks until one writes into a shared one (copy-on-write);
-a sliding window (Mistral) gives back the blocks that no query can see any more.
+PagedAttention keeps it in blocks of `block_size` tokens anywhere in one pool: a block table
+per sequence maps logical block i -> physical block id, like an OS page table. No memory waits
+for lengths never reached; sequences with the same leading tokens share blocks (prefix
+caching); n samples of a prompt share its blocks until one writes into a shared one
+(copy-on-write); a sliding window (Mistral) gives back the blocks no query can see any more.
 
-Place in the data flow (one engine step, engine.py):
-    BlockManager.reserve   -> blocks for the new tokens in each block table
-    flatten_step           -> input_ids, positions, the slot of every new token
-    model layer l: ctx.attend(l, q, k, v), ctx an AttentionContext: KVCache.write
-        the new k, v into their slots, then paged_attention over each sequence's cache
-One paged attention serves prefill (cached prefix or not), chunked prefill,
+Place in the data flow (one engine step, engine.py): BlockManager.reserve gives the new tokens
+blocks, flatten_step their input_ids, positions and slots; in each layer ctx.attend (an
+AttentionContext) writes the new k, v into their slots (KVCache.write), then runs
+paged_attention, the one attention for prefill (cached prefix or not), chunked prefill,
 decode (1 query) and draft verification (k + 1 queries).
 """
 from __future__ import annotations
@@ -70,9 +66,7 @@ class KVCache:
         shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype)
         self.v = torch.zeros_like(self.k)
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.dtype = dtype
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.sliding_window = cfg.sliding_window   # Mistral's W or None: attention masks by it
         self.bytes_per_token = kv_cache_bytes(cfg, dtype)
 
@@ -81,8 +75,7 @@ class KVCache:
         return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
 
     @property
-    def total_bytes(self) -> int:
-        """Bytes actually allocated (tests check it against the formula)."""
+    def total_bytes(self) -> int:                 # allocated: tests check it against the formula
         return sum(t.numel() * t.element_size() for t in self.pools())
 
     def write(self, layer: int, slots, k, v):
@@ -101,9 +94,8 @@ class KVCache:
             t[:, dst] = t[:, src]
 
 
-# KVCache.write's one in-place write into the pool, a custom op that declares what it
-# mutates: torch.compile (graphs.py) functionalizes in-place updates of its
-# inputs, so a bare index_copy_ would copy the whole pool at every write.
+# KVCache.write's in-place write, a custom op that declares what it mutates: torch.compile
+# (graphs.py) functionalizes in-place updates, so a bare index_copy_ would copy the whole pool.
 @torch.library.custom_op("nanoinfer::store_rows", mutates_args=("dst",))
 def store_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
     """dst viewed as rows [num_slots, *src.shape[1:]]: dst[slots[i]] = src[i]."""
@@ -115,11 +107,10 @@ store_rows.register_fake(lambda dst, slots, src: None)   # for the compiler: it 
 
 # --- Reference paged attention -------------------------------------------------
 def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query_lens):
-    """Each sequence's new queries attend over its own paged KV. q: [N, H, d], the B
-    sequences' queries end to end: sequence b owns the LAST query_lens[b] of its
-    seq_lens[b] tokens (all already in the cache). Query i of b sits at position
-    p = seq_lens[b] - query_lens[b] + i and sees positions 0..p (p-W+1..p with a sliding window:
-    the blocks before are the null block, masked). A loop for clarity; kernels.py vectorizes it."""
+    """Each sequence's new queries attend over its own paged KV. q: [N, H, d], the B sequences'
+    queries end to end: sequence b owns the LAST query_lens[b] of its seq_lens[b] tokens (all
+    cached). Query i of b sits at p = seq_lens[b] - query_lens[b] + i and sees 0..p (p-W+1..p
+    with a sliding window: the null blocks before, masked). A loop; kernels.py vectorizes it."""
     # assignment: paged-attention
     N, H, d = q.shape
     n_kv = cache.k.shape[-2]
@@ -186,10 +177,9 @@ class AttentionContext:
 
 # --- One step's work as one flat batch (AttentionContext.build, graphs.StepInputs)
 def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
-    """The scheduled work as the model's flat batch of N tokens (numpy int64, no
-    Python loop over tokens). work: (seq_id, token ids fed, first position, ...)
-    per sequence, in batch order; tables[rows[b]] is work[b]'s block table.
-    Returns input_ids[N], positions[N], slot_mapping[N], query_lens[B] (tokens
+    """The scheduled work as the model's flat batch of N tokens (numpy int64, no Python loop
+    over tokens). work[b] = (seq_id, token ids fed, first position, ...), tables[rows[b]] its
+    block table. Returns input_ids[N], positions[N], slot_mapping[N], query_lens[B] (tokens
     fed) and seq_lens[B] (tokens in cache after the step)."""
     query_lens = np.array([len(w[1]) for w in work], dtype=np.int64)
     starts = np.array([w[2] for w in work], dtype=np.int64)
@@ -215,8 +205,7 @@ class BlockManager:
                             sliding_window=1 if sliding_window is None else sliding_window)
         if num_blocks < 1:
             raise ValueError("the KV cache has no blocks")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks             # sequences using each block (0: free)
         self.free_blocks = OrderedDict.fromkeys(range(num_blocks))   # least recently used first
@@ -225,14 +214,10 @@ class BlockManager:
         self.cached: dict[int, int] = {}             # prefix cache: hash of a full block -> block
         self.pending_copies: list[tuple[int, int]] = []   # (src, dst) copy-on-write for the engine
         self.prefix_hits = self.prefix_queries = 0   # in blocks, for the hit rate
-        # seq -> (leading blocks registered in the prefix cache, hash of the last):
-        # cache_full_blocks resumes there instead of rehashing the whole sequence.
+        # seq -> (leading blocks in the prefix cache, hash of the last): cache_full_blocks resumes
         self.hashed: dict[int, tuple[int, int | None]] = {}
-        # Sequences whose table changed since the engine last looked: graphs.StepInputs
-        # refreshes only their rows of its table array (and empties the set).
-        self.changed: set[int] = set()
-        # Sliding window (W or None): reserve() points freed entries at the null block, held by
-        # the manager itself and never written.
+        self.changed: set[int] = set()   # tables changed: graphs.StepInputs refreshes (and empties)
+        # reserve() points entries freed by a sliding window at the null block (held, never written)
         self.sliding_window = sliding_window
         self.null_block = self._take_free() if sliding_window else None
 
@@ -269,10 +254,9 @@ class BlockManager:
 
     # -- per sequence --------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: list[int], use_prefix_cache: bool = True) -> int:
-        """Start a block table for a new (or re-admitted) sequence, reusing every leading FULL
-        block in the prefix cache; return how many tokens that computed (never the last: the
-        engine needs its logits). use_prefix_cache=False (prompt logprobs need every position)
-        reads no entry; registration is unchanged."""
+        """Start a block table for a new (or re-admitted) sequence, reusing every leading FULL block
+        in the prefix cache; return how many tokens that computed (never the last: the engine needs
+        its logits). use_prefix_cache=False (prompt logprobs need every position) reads none."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
         table = []
@@ -299,8 +283,7 @@ class BlockManager:
         return len(table) * self.block_size
 
     def can_append(self, seq_id: int, start: int, count: int) -> bool:
-        """Are there free blocks to write positions [start, start + count) now: new blocks at
-        the end of the table, plus a private copy of each shared block written?"""
+        """Are there free blocks for reserve(seq_id, start, count) now?"""
         table, bs = self.tables[seq_id], self.block_size
         end_block = math.ceil((start + count) / bs)
         written = range(start // bs, min(len(table), end_block))
@@ -308,9 +291,8 @@ class BlockManager:
         return max(0, end_block - len(table)) + shared <= len(self.free_blocks)
 
     def reserve(self, seq_id: int, start: int, count: int):
-        """Make room for positions [start, start + count): new blocks at the end of
-        the table, and a private copy of each block written that is shared after a
-        fork (copy-on-write: the engine copies the data via pending_copies)."""
+        """Make room for positions [start, start + count): new blocks at the end of the table,
+        and a private copy of each shared block written (copy-on-write: see pending_copies)."""
         table, bs = self.tables[seq_id], self.block_size
         # No query from `start` on sees a position < start - W + 1: free the blocks wholly before.
         if self.sliding_window:
@@ -336,9 +318,7 @@ class BlockManager:
                 self.changed.add(seq_id)
                 # end assignment
             elif table[i] in self.block_key:
-                # registered, rewritten in place: truncate() kept it while shared, then its
-                # sharers left; it names that prefix no more
-                self._forget(table[i])
+                self._forget(table[i])   # kept by truncate() while shared, now rewritten in place
         # assignment: block-allocation
         while len(table) * bs < start + count:
             table.append(self._take_free())
@@ -354,8 +334,7 @@ class BlockManager:
         # end assignment
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int):
-        """After a step: register the blocks now full and computed in the prefix cache
-        for later sequences; resumes after last time's blocks: O(new blocks)."""
+        """After a step: register newly full, computed blocks in the prefix cache: O(new blocks)."""
         unregistered = self.tables[seq_id][self.hashed.get(seq_id, (0,))[0]:]
         if not self.enable_prefix_caching or self.null_block in unregistered:
             return      # (or the window freed a block before it was registered: the chain is lost)
@@ -386,8 +365,7 @@ class BlockManager:
         # end assignment
 
     def truncate(self, seq_id: int, num_tokens: int):
-        """Keep only the blocks holding the first num_tokens tokens (speculative
-        rollback: rejected draft positions give their trailing blocks back)."""
+        """Keep only the blocks of the first num_tokens tokens (rollback of rejected drafts)."""
         table = self.tables[seq_id]
         keep = math.ceil(num_tokens / self.block_size)
         for block in reversed(table[keep:]):
@@ -413,8 +391,7 @@ class BlockManager:
         if seq_id not in self.tables:
             raise ValueError(f"sequence {seq_id} has no blocks (freed twice?)")
         # assignment: block-allocation
-        # Tail first, so the free list evicts a sequence's last blocks before its
-        # first ones (a later request is likelier to share the start of a prompt).
+        # tail first: evicted before the head, which a later request is likelier to share
         table = self.tables.pop(seq_id)
         for block in reversed(table):
             self._release(block)
@@ -426,8 +403,7 @@ class BlockManager:
 
     def check_invariants(self):
         """Consistency of the bookkeeping; tests call this after every operation."""
-        held = [b for table in self.tables.values() for b in table] + [self.null_block]
-        counts = Counter(held)
+        counts = Counter([b for table in self.tables.values() for b in table] + [self.null_block])
         assert [counts[b] for b in range(self.num_blocks)] == self.ref_count, \
             "ref counts disagree with the tables"
         assert set(self.free_blocks) == {b for b in range(self.num_blocks) if not self.ref_count[b]}

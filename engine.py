@@ -1,27 +1,23 @@
 """
 engine.py -- the engine assembled: the last lesson puts the others together.
 
-The lesson: an inference engine is a loop of four steps over a batch that
-changes every step, and each step is one of the earlier files:
+The lesson: an inference engine is a loop of four steps over a batch that changes every
+step, each one of the earlier files:
 
-    1. schedule   Scheduler.schedule() (scheduler.py): which sequences run,
-                  how many tokens each, their KV blocks reserved (cache.py)
-    2. forward    one Transformer.forward (model.py) over all N scheduled
-                  tokens, as a flat batch; compiled (graphs.py) or split over
-                  devices (parallel.py)
-    3. sample     sampler.py picks each sequence's token (or judges its
-                  drafts, speculative.py), with ONE wait for the device
-    4. append     Sequence.append (sequence.py): stop strings, EOS,
-                  max_tokens; finished sequences give their blocks back
+    1. schedule   Scheduler.schedule() (scheduler.py): which sequences run, how many tokens
+                  each, their KV blocks reserved (cache.py)
+    2. forward    one Transformer.forward (model.py) over all N scheduled tokens, as a flat
+                  batch; compiled (graphs.py) or split over devices (parallel.py)
+    3. sample     sampler.py picks each sequence's token (or judges its drafts,
+                  speculative.py), with ONE wait for the device
+    4. append     Sequence.append (sequence.py): stop strings, EOS, max_tokens; finished
+                  sequences give their blocks back
 
-A request that goes wrong alone (its drafts, its logits, its text) finishes
-alone with finish_reason "error"; an error no single request explains fails
-the step's requests, never the engine (LLM.isolation).
-
-Building one is the other half: the weights (quantized, or sharded over
-workers), the KV pool sized by the lecture's bytes-per-token formula from the
-memory the weights left, the compiled step, the drafter. Every option is
-declared once, in EngineConfig, with its default and its range.
+A request that goes wrong alone finishes alone (finish_reason "error"); an error no single
+request explains fails the step's requests, never the engine (LLM.isolation). Building one is
+the other half: the weights (quantized, or sharded over workers), the KV pool sized by the
+lecture's bytes-per-token formula from the memory the weights left, the compiled step, the
+drafter. Every option is declared once, in EngineConfig, with its default and its range.
 
     llm = LLM("path/or/random:preset", max_num_seqs=64)   # or LLM(EngineConfig(...))
     llm.generate(["prompt", ...], SamplingParams(max_tokens=64))
@@ -136,14 +132,12 @@ class LLM:
     def _build_pool(self, c: EngineConfig):
         """The KV pool, its block manager and scheduler, and the compiled step (compile=True)."""
         max_query_len = c.num_speculative_tokens + 1 if c.speculative else 1   # verify: k + 1
-        # compile=True settles what else stays in memory first: the weights' layout (rewritten
-        # one layer at a time) and, on CUDA, the compiled step's bytes (its graphs' pool too).
+        # compile=True first settles what else stays in memory: the weights' layout, the step's
         self.weight_layout = choose_weight_layout(self.model) if c.compile else "default"
         reserve = 0
         if c.compile and c.kv_cache_bytes is None:
             reserve = compiled_step_reserve(self.model, self.config, c, max_query_len)
-        # The KV pool takes the memory the weights left, in blocks of the lecture's
-        # bytes per token (make_kv_pool): it bounds the batch AND the longest sequence.
+        # the pool takes what the weights left: it bounds the batch AND the longest sequence
         scratch = 1 if c.compile else 0    # graphs.py: padded rows write a block no one owns
         allocate = None
         if self.tp is not None:            # every rank allocates its slice of the pool
@@ -231,11 +225,10 @@ class LLM:
 
     @contextlib.contextmanager
     def isolation(self):
-        """Around a step: an error that no single request explains (a request's own error
-        was already failed alone, by _fail) fails this step's requests, with their blocks
-        freed; the engine keeps serving. Before anything was scheduled, those are the running
-        ones, or else the oldest waiting one: a step that keeps failing still makes progress.
-        A lost tensor-parallel worker is raised as well: nothing can run any more."""
+        """Around a step: an error that no single request explains (those were failed alone,
+        by _fail) fails this step's requests, blocks freed; the engine keeps serving. Before
+        anything was scheduled: the running ones, else the oldest waiting one (a step that
+        keeps failing still makes progress). A lost tensor-parallel worker is raised too."""
         try:
             yield
         except Exception as e:
@@ -303,8 +296,7 @@ class LLM:
         return new
 
     def _append_all(self, batch, asks, new) -> list[RequestOutput]:
-        """Append each sequence's new tokens; an error in one (its text, its logits) fails it
-        alone."""
+        """Append each sequence's new tokens; an error in one fails it alone."""
         for item in batch:
             seq = item.seq
             seq.num_computed = item.start + item.count
@@ -317,8 +309,7 @@ class LLM:
                 if seq.status != RUNNING:
                     continue                       # its request failed earlier this step
                 if not finite:
-                    raise FloatingPointError("the model produced non-finite logits for this "
-                                             "request")
+                    raise FloatingPointError("the model gave non-finite logits for this request")
                 if ask.drafts:
                     self.speculation.verified(seq, len(tokens) - 1, self.block_manager)
                 for j, token in enumerate(tokens):
@@ -354,10 +345,10 @@ class LLM:
 
 # --- Step 3's side: who samples, and speculative decoding's bookkeeping ---------
 def sample_requests(batch, scheduler, tokenizer):
-    """Which sequences sample this step, from which logits rows: the last row of each sequence
-    whose cache will then hold all its tokens, or all 1 + k rows of a verification. A prompt
-    of a request with n > 1 forks here (copy-on-write). Then the rows of the prompt positions
-    a request scores (prompt_logprobs), after all those: scored = [(request, first, count)]."""
+    """Which sequences sample this step, from which logits rows: the last row of a sequence
+    whose cache then holds all its tokens, or the 1 + k rows of a verification (a prompt of a
+    request with n > 1 forks here). After those, the rows of the prompt positions a request
+    scores (prompt_logprobs): scored = [(request, first, count)]."""
     asks = []           # (sequence, SampleRequest) of each sequence that samples
     rows = []           # the logits rows they sample from, in that order
     scored = []         # (request, first prompt position, count) scored this step
@@ -365,8 +356,7 @@ def sample_requests(batch, scheduler, tokenizer):
     end = 0
     for item in batch:
         seq, req = item.seq, item.seq.request
-        # position p scores prompt token p + 1: the chunk's positions not scored yet (a
-        # recompute after preemption skips them)
+        # position p scores prompt token p + 1 (a recompute after preemption skips scored ones)
         first = max(item.start, req.num_scored - 1)
         last = min(item.start + item.count, seq.num_prompt - 1)
         if first < last:
@@ -377,8 +367,7 @@ def sample_requests(batch, scheduler, tokenizer):
             asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
                                             seq.num_output, seq.token_ids, seq.draft_probs)))
             rows += range(end - item.count, end)
-        elif item.start + item.count == len(seq.token_ids):
-            # a request of n > 1 forks here: its samples share this row
+        elif item.start + item.count == len(seq.token_ids):   # n > 1: the samples share a row
             forked = [seq] + scheduler.fork(seq, item.start + item.count, tokenizer)
             if seq.params.max_tokens:          # max_tokens=0 only scores its prompt: no sample
                 asks += [(s, SampleRequest(len(rows), [], s.params, s.key, s.num_output,
@@ -392,8 +381,7 @@ class Speculation:
 
     def __init__(self, drafter, k: int, stats: dict, scheduler: Scheduler):
         self.drafter = drafter
-        self.k = k                  # drafts per step at most
-        self.stats = stats          # the engine's counters
+        self.k, self.stats = k, stats        # drafts per step at most, the engine's counters
         # a sequence's blocks freed: its draft cache too
         scheduler.release_hooks.append(lambda seq: drafter.release(seq.seq_id))
 
@@ -417,8 +405,8 @@ class Speculation:
     def verified(self, seq, n_accepted: int, block_manager):
         """After the target's pass: keep the cache of the accepted drafts only."""
         m = len(seq.draft_tokens)
-        # K/V now hold the fed token and the accepted drafts; the last token (a correction or
-        # the bonus) is fed next step
+        # K/V hold the fed token and the accepted drafts; the last (correction or bonus) is fed
+        # next step
         seq.num_computed = len(seq.token_ids) + n_accepted
         block_manager.truncate(seq.seq_id, seq.num_computed)
         self.drafter.rollback(seq.seq_id, seq.num_computed)
@@ -442,19 +430,16 @@ def load_engine_model(c: EngineConfig):
         if c.quantization is not None:     # int8 weights: a quarter of fp32's bytes per step
             quantize_model(model, c.quantization, None if c.quantization != "awq" else
                            calibration_ids(Tokenizer.from_pretrained(tokenizer_path(c.path))))
-    if config.random_seed is not None:
-        print(f"nanoinfer: {c.path}: RANDOM weights (published shapes, seed "
-              f"{config.random_seed}): timings are real, the text is noise")
+    checks.say_random_weights(c.path, config.random_seed)
     return model, config, tp
 
 
 def make_kv_pool(cfg, c: EngineConfig, scratch: int = 0, allocate=None, reserve: int = 0):
-    """The KV pool for the model config `cfg`: as many blocks of c.block_size tokens as
-    c.kv_cache_bytes allows; returns (cache, usable blocks). The central memory trade-off of
-    serving: every byte given to the KV cache is more concurrent context. With tensor
-    parallelism cfg is one rank's shard and allocate(num_blocks) makes every rank's pool:
-    the same budget per device holds N times the tokens. `scratch` blocks more are a
-    compiled step's padding (graphs.py); `reserve`: bytes it keeps beside the pool."""
+    """(cache, usable blocks): as many blocks as c.kv_cache_bytes allows. Serving's central
+    memory trade-off: every byte of KV cache is more concurrent context. With tensor
+    parallelism cfg is one rank's shard and allocate(n) makes every rank's pool: the same
+    budget per device holds N times the tokens. `scratch` blocks: a compiled step's padding;
+    `reserve`: the bytes it keeps beside the pool."""
     device, dtype = torch.device(c.device), c.dtype
     int8 = c.kv_cache_dtype == "int8"
     # bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value (+ scales)
@@ -469,12 +454,8 @@ def make_kv_pool(cfg, c: EngineConfig, scratch: int = 0, allocate=None, reserve:
         cache = allocate(num_blocks)
     else:                  # the model's dtype, or int8
         cache = make_kv_cache(cfg, num_blocks, c.block_size, c.kv_cache_dtype, device, dtype)
-    value = f"(1 B + 4/{cfg.head_dim} B of scale)" if int8 else f"{dtype.itemsize} B"
     usable = num_blocks - scratch
-    print(f"nanoinfer: KV cache {usable} blocks x {c.block_size} tokens = "
-          f"{usable * c.block_size} tokens; {per_token} B/token = 2*{cfg.n_layers} layers*"
-          f"{cfg.n_kv_heads} kv heads*{cfg.head_dim} dims*{value}; "
-          f"{cache.total_bytes / 2**20:.1f} MiB allocated")
+    checks.say_pool(cfg, usable, c.block_size, per_token, int8, dtype, cache.total_bytes)
     return cache, usable
 
 

@@ -1,18 +1,17 @@
 """
 graphs.py -- the compiled step: every engine step costs its bytes and FLOPs, not its bookkeeping.
 
-The lesson: with attention vectorized (kernels.py) what is left between a decode step and
-its roofline is the host's work, removed here in turn:
-  * host-device traffic: one copy (on a GPU, one synchronization) per small
-    tensor -> StepInputs: the inputs built with numpy (cache.flatten_step) from
-    block-table arrays kept across steps, sent to the device in ONE copy (Staging);
-  * kernel launches (hundreds a GPU step, ~5 us of CPU each), unfused elementwise
-    ops -> CompiledDecoder: torch.compile of ONE transformer block (all layers
-    share its graph) and the LM head; on CUDA each padded bucket is ONE CUDA graph.
+The lesson: with attention vectorized (kernels.py), what is left between a decode step and its
+roofline is the host's work, removed here in turn:
+  * one host-device copy (on a GPU, one synchronization) per small tensor -> StepInputs: the
+    inputs built with numpy (cache.flatten_step) from block-table arrays kept across steps, sent
+    to the device in ONE copy (Staging);
+  * kernel launches (hundreds a GPU step, ~5 us of CPU each), unfused elementwise ops ->
+    CompiledDecoder: torch.compile of ONE transformer block (all layers share its graph) and the
+    LM head; on CUDA each padded bucket is ONE CUDA graph.
 
-Place in the data flow (LLM.step, engine.py): StepInputs builds every step's inputs;
-with LLM(compile=True), steps of <= k + 1 tokens a sequence run in CompiledDecoder,
-whose blocks attend through kernels.paged_attention_in_place (or its Triton kernel).
+Place in the data flow (LLM.step, engine.py): StepInputs builds every step's inputs; with
+LLM(compile=True), steps of <= k + 1 tokens a sequence run in CompiledDecoder.
 """
 from __future__ import annotations
 
@@ -46,26 +45,23 @@ def query_rows(first, query_lens, Q: int):
 
 class Staging:
     """Many small int64 arrays to the device as ONE asynchronous copy from one pinned buffer
-    (each torch.tensor(list) is its own copy, from pageable memory a synchronous one). On
-    CUDA, before the buffer is refilled, an event waits for the last copy out of it."""
+    (each torch.tensor(list) is its own copy, from pageable memory a synchronous one)."""
 
     def __init__(self, device):
         self.device, self.cuda = torch.device(device), on_cuda(device)
         self.event = torch.cuda.Event() if self.cuda else None
-        # pinned: an async DMA
-        self.buf = torch.empty(1 << 16, dtype=torch.int64, pin_memory=self.cuda)
+        self.buf = torch.empty(1 << 16, dtype=torch.int64, pin_memory=self.cuda)  # async DMA
 
     def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         sizes = [a.size for a in arrays]
         total = sum(sizes)
         if self.event is not None:
-            self.event.synchronize()          # still in flight, that copy would send the new values
+            self.event.synchronize()  # the last copy out, if in flight, would send the new values
         if total > self.buf.numel():
             self.buf = torch.empty(2 * total, dtype=torch.int64, pin_memory=self.cuda)
         host = self.buf[:total]
         if total:
-            np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays],
-                           out=host.numpy())
+            np.concatenate([np.asarray(a, np.int64).ravel() for a in arrays], out=host.numpy())
         dev = host.to(self.device, non_blocking=True, copy=True)         # one copy
         if self.event is not None:
             self.event.record()                           # ... which the next send waits for
@@ -85,9 +81,9 @@ class HostBatch:
 
 
 class StepInputs:
-    """Builds each step's model inputs from arrays kept across steps. Every running
-    sequence owns a row of `tables`, a numpy copy of its block table; only the rows
-    the BlockManager reports changed are rewritten: O(batch) a step, not O(blocks)."""
+    """Builds each step's model inputs from arrays kept across steps. Every running sequence owns
+    a row of `tables`, a numpy copy of its block table; only the rows the BlockManager reports
+    changed are rewritten: O(batch) a step, not O(blocks)."""
 
     def __init__(self, block_manager, device):
         self.bm, self.bs = block_manager, block_manager.block_size
@@ -123,18 +119,15 @@ class StepInputs:
                          None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64))
 
     def groups(self, hb: HostBatch):
-        """Split the batch into query-length classes: [(index or None, tables, seq_lens,
-        query_lens)]."""
-        # length class: next power of two
-        qcls = 1 << np.ceil(np.log2(hb.query_lens)).astype(np.int64)
+        """The batch's query-length classes: [(index or None, tables, seq_lens, query_lens)]."""
+        qcls = 1 << np.ceil(np.log2(hb.query_lens)).astype(np.int64)     # next power of two
         N, first = len(hb.input_ids), np.cumsum(hb.query_lens) - hb.query_lens
         widths = -(-hb.seq_lens // self.bs)                          # blocks each sequence uses
         out = []
         for Q in np.unique(qcls):
             m = np.nonzero(qcls == Q)[0]
             tables = self.tables[hb.rows[m], :widths[m].max()]
-            # the whole batch, uniform: no gather
-            if len(m) == len(qcls) and (hb.query_lens == Q).all():
+            if len(m) == len(qcls) and (hb.query_lens == Q).all():      # uniform batch: no gather
                 out.append((None, tables, hb.seq_lens, None))
                 continue
             idx, real = query_rows(first[m], hb.query_lens[m], Q)    # [Bg, Q]
@@ -184,8 +177,8 @@ def size_oblivious():
 
 
 def layer_cache(cache, layer: int):
-    """A cache of the same class holding only `layer` (views, no copy) as its layer 0:
-    one graph serves all layers (a layer index would be a trace constant) and any pool size."""
+    """A cache of the same class holding only `layer` (views, no copy) as its layer 0: one graph
+    serves all layers (a layer index would be a trace constant) and any pool size."""
     view = copy.copy(cache)
     for name, t in vars(cache).items():
         if isinstance(t, torch.Tensor):
@@ -203,9 +196,8 @@ class LayerContext:
 
     def attend(self, layer: int, q, k, v):  # pragma: no cover (runs only in torch.compile's trace)
         # Write first (a token sees itself) into the layer's whole [1, ...] pool (`:`, not 0): the
-        # graph INPUT the op says it mutates. AOTAutograd rebuilds a mutated view OF an input from
-        # the offset seen in tracing (layer 0's), unguarded: other layers' writes would land in a
-        # copy of layer 0.
+        # graph INPUT the op mutates. AOTAutograd rebuilds a mutated view OF an input from the
+        # offset seen in tracing (layer 0's), unguarded: other layers' writes would hit a copy.
         self.cache.write(slice(None), self.slot_mapping, k, v)
         B, Q = self.q_pos.shape
         q = q.view(B, Q, *q.shape[1:])
@@ -227,10 +219,10 @@ def _head(lm_head, x):  # pragma: no cover (compiled: the LM head; int8 fuses th
 
 
 class CompiledModel:
-    """What Transformer.forward reads from `self`, every block and the LM head replaced
-    by a call of the ONE compiled graph for them. Regional compilation: one block costs
-    one block's compile whatever the depth, and model.py's own forward runs the step (no
-    drift); it gives up fusion across blocks and pays a guard check per block per call."""
+    """What Transformer.forward reads from `self`, every block and the LM head replaced by a call
+    of the ONE compiled graph for them. Regional compilation: one block costs one block's compile
+    whatever the depth, and model.py's own forward runs the step (no drift); it gives up fusion
+    across blocks and pays a guard check per block per call."""
 
     def __init__(self, model):
         self.config, self.inv_freq = model.config, model.inv_freq
@@ -238,8 +230,7 @@ class CompiledModel:
         # Each model and dtype compiled in one process adds variants; dynamo's default limit is 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # Inductor's coalescing analysis (torch 2.11-2.13) asserts on this block's dynamic shapes at
-        # Llama-3.1-8B's width on CUDA ("failed to set ranges", seen on an H200): it only picks
-        # tilings.
+        # Llama-3.1-8B's width on CUDA ("failed to set ranges", an H200); it only picks tilings.
         opts = ({"options": {"triton.coalesce_tiling_analysis": False}}
                 if BACKEND == "inductor" else {})
         block, head = (torch.compile(f, fullgraph=True, backend=BACKEND, **opts)
@@ -254,15 +245,12 @@ class CompiledModel:
 
 
 class CompiledDecoder:
-    """Decode and verification steps through torch.compile, padded to buckets.
-
-    A step feeds Q tokens for each of B sequences (decode: Q = 1; verifying k drafts:
-    Q = k + 1, shorter rows padded) over block tables W wide. Why buckets: a CUDA graph
-    replays fixed shapes and addresses, so a step is padded to a (Q, B, W) bucket
-    recorded at warm-up: one input copy and one replay. One graph with symbolic sizes
-    serves all buckets (CPU runs the same padded code). Padded rows and queries write
-    into `scratch_block`, one more than the block manager hands out.
-    """
+    """Decode and verification steps through torch.compile, padded to buckets. A step feeds Q
+    tokens for each of B sequences (decode: Q = 1; verifying k drafts: Q = k + 1, shorter rows
+    padded) over block tables W wide. Why buckets: a CUDA graph replays fixed shapes and addresses,
+    so a step is padded to a (Q, B, W) bucket recorded at warm-up: one input copy and one replay.
+    One graph with symbolic sizes serves all buckets (CPU runs the same padded code). Padded rows
+    and queries write into `scratch_block`, one more than the block manager hands out."""
 
     def __init__(self, model, cache, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
                  query_sizes=(1,)):
@@ -301,8 +289,7 @@ class CompiledDecoder:
         self._run(key)
         self.steps[key[0]] += 1
         prow = prow if logits_rows is None else prow[np.asarray(logits_rows, dtype=np.int64)]
-        # a copy: the next step overwrites
-        return self.logits[torch.from_numpy(prow).to(self.device)]
+        return self.logits[torch.from_numpy(prow).to(self.device)]   # a copy: next step overwrites
 
     def _load(self, key, tokens, positions, slots, tables, qlens):
         """Pad the flat batch to bucket key = (Q, B, W) in the static inputs (ONE copy); return
@@ -312,9 +299,8 @@ class CompiledDecoder:
         src, real = query_rows(np.cumsum(qlens) - qlens, qlens, Q)            # [B, Q] each
         ids, pos = np.zeros((Bp, Q), np.int64), np.zeros((Bp, Q), np.int64)
         slot = np.full((Bp, Q), scratch)
-        if B:
-            ids[:B], pos[:B] = np.where(real, tokens[src], 0), positions[src]
-            slot[:B] = np.where(real, slots[src], scratch)
+        ids[:B], pos[:B] = np.where(real, tokens[src], 0), positions[src]
+        slot[:B] = np.where(real, slots[src], scratch)
         table = np.full((Bp, W), self.scratch_block, dtype=np.int64)
         table[:B, :tables.shape[1]] = tables[:, :W]
         for static, part in zip((self.ids, self.positions, self.slots, self.tables),
@@ -326,13 +312,11 @@ class CompiledDecoder:
         """The static inputs of bucket (Q, B, W) and its per-layer contexts (made once)."""
         if key not in self.contexts:
             (Q, B, W), n = key, key[0] * key[1]
-            # a query's position bounds its keys
-            q_pos = dynamic(self.positions[:n].view(B, Q), 0, 1)
+            q_pos = dynamic(self.positions[:n].view(B, Q), 0, 1)          # bounds each query's keys
             tables = dynamic(self.tables[:B * W].view(B, W), 0, 1)
             slots = dynamic(self.slots[:n], 0)
-            # Transformer.forward's ctx: all rows get logits
-            ctx = SimpleNamespace(layers=[LayerContext(c, slots, tables, q_pos)
-                                          for c in self.layer_caches], logits_indices=None)
+            layers = [LayerContext(c, slots, tables, q_pos) for c in self.layer_caches]
+            ctx = SimpleNamespace(layers=layers, logits_indices=None)          # all rows get logits
             self.contexts[key] = (self.ids[:n], self.positions[:n], ctx)
         return self.contexts[key]
 
@@ -358,9 +342,8 @@ class CompiledDecoder:
         self.pool, self.graphs[key] = graph.pool(), graph
 
     def warmup_buckets(self) -> list[tuple]:
-        """The (Q, B, W) run at warm-up. CUDA: all, biggest first so the shared pool fits them.
-        CPU, per Q: batch 1 and the biggest, narrowest; batch 1, widest: all guards crossed
-        (int8's rows too)."""
+        """The (Q, B, W) run at warm-up. CUDA: all, biggest first so the shared pool fits them. CPU,
+        per Q: batch 1 and max, narrowest; batch 1, widest: all guards crossed (int8's rows too)."""
         if self.cuda:
             keys = itertools.product(self.query_sizes, self.batch_sizes, self.widths)
             return sorted(keys, key=lambda k: -k[0] * k[1] * k[2])
@@ -369,9 +352,8 @@ class CompiledDecoder:
                 for k in ((Q, 1, lo), (Q, self.batch_sizes[-1], lo), (Q, 1, hi))]
 
     def scratch_step(self, key=None):
-        """Load bucket `key`'s static inputs with no real row (all writes go to the scratch
-        block); return its step. No key: the largest bucket, what a memory budget must hold
-        (support/timing.py step_memory)."""
+        """Load bucket `key`'s static inputs with no real row (all writes go to the scratch block);
+        return its step. No key: the largest bucket (what step_memory's budget must hold)."""
         key = key or (self.query_sizes[-1], self.batch_sizes[-1], self.widths[-1])
         self._load(key, *[np.zeros(0, np.int64)] * 3, np.zeros((0, 1), np.int64),
                    np.zeros(0, np.int64))
@@ -379,9 +361,8 @@ class CompiledDecoder:
 
     @torch.inference_mode()                   # as LLM.step runs (grad mode is guarded on)
     def warmup(self) -> float:
-        """Compile (and on CUDA record) every bucket now, on scratch rows only; seconds. Called
-        again (serve.py's engine thread) it reloads scratch rows first: the last real step's
-        slots are in others' blocks."""
+        """Compile (and on CUDA record) every bucket now, on scratch rows only; seconds. On a rerun
+        (serve.py) scratch rows are reloaded first: the last step's slots are in others' blocks."""
         t0 = time.perf_counter()
         for key in self.warmup_buckets():
             self.scratch_step(key)

@@ -1,21 +1,19 @@
 """
 kernels.py -- attention over the paged cache at the speed of its bytes, and the int8 product.
 
-The lesson: a decode step's roofline is (weight bytes + KV bytes read) / memory
-bandwidth, and attention is where an engine most easily reads more than that:
+The lesson: a decode step's roofline is (weight bytes + KV bytes read) / memory bandwidth, and
+attention is where an engine most easily reads more than that:
   * a Python loop per sequence costs microseconds per sequence per layer ->
-    batched_paged_attention + StepContext: any step (prefill chunks, decodes,
-    k+1-token verifications, mixed) as a few padded, masked attentions, one per
-    power-of-two query length;
-  * the gathered cache copied before attention reads it -> paged_attention_in_place,
-    fused by inductor with the gather: each cached byte read once, where it lies;
-  * on CUDA, one Triton kernel (flash-decoding over pages, _paged_decode_kernel) does
-    the same in one launch; and int8 weights are converted in registers, never in
-    memory, inside the product (_int8_matmul_kernel).
+    batched_paged_attention + StepContext: any step (prefill chunks, decodes, k+1-token
+    verifications, mixed) as a few padded, masked attentions, one per power-of-two query length;
+  * the gathered cache copied before attention reads it -> paged_attention_in_place, fused by
+    inductor with the gather: each cached byte read once, where it lies;
+  * on CUDA, one Triton kernel (_paged_decode_kernel: flash-decoding over pages) does the same in
+    one launch; int8 weights become floats in registers, never in memory (_int8_matmul_kernel).
 
-Place in the data flow (LLM.step, engine.py): graphs.StepInputs turns the work into
-(input_ids, positions, StepContext), whose attend(layer, q, k, v) every layer calls; the
-compiled step (graphs.py) calls paged_attention_in_place or the Triton kernel instead.
+Place in the data flow (LLM.step, engine.py): graphs.StepInputs makes each step's StepContext,
+whose attend(layer, q, k, v) every layer calls; the compiled step (graphs.py) calls
+paged_attention_in_place or the Triton kernel instead.
 """
 from __future__ import annotations
 
@@ -34,21 +32,20 @@ STRICT_SDPA = False
 
 
 def on_cuda(device) -> bool:
-    """Does this run take CUDA's code paths? (The one test of it: tests/cuda_sim.py says yes on
-    a CPU.)"""
+    """Does this run take CUDA's code paths? (tests/cuda_sim.py says yes on a CPU.)"""
     return torch.device(device).type == "cuda"
 
 
 # --- Batched paged attention: a group of sequences at once ---------------------
 def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_lens=None):
-    """Each of B sequences has up to Q new queries; all attend at once. q: [B, Q, H, d]
-    (real queries first), block_tables [B, W], seq_lens [B] (tokens in cache, new ones
-    included), query_lens [B] real queries (None: all Q). Query i of b sits at position p =
-    seq_lens[b] - query_lens[b] + i and sees keys 0..p (p-W+1..p, W = cache.sliding_window);
-    a padded query gets the last real position (a finite softmax, dropped by the caller). Keys
-    past seq_lens are masked: tables may be padded with any valid block id. Returns [B, Q, H, d]:
-    cache.py's masked softmax(q k^T / sqrt(d)) v in PyTorch's fused attention (enable_gqa: query
-    head h reads KV head h // G without a copy of K, V per head; CUDA: grouped_attention)."""
+    """B sequences, up to Q new queries each, attend at once. q: [B, Q, H, d] (real queries
+    first), block_tables [B, W], seq_lens [B] (tokens in cache, new ones included), query_lens [B]
+    real queries (None: all Q). Query i of b sits at position p = seq_lens[b] - query_lens[b] + i
+    and sees keys 0..p (p-W+1..p, W = cache.sliding_window); a padded query gets the last real
+    position (a finite softmax, dropped by the caller). Keys past seq_lens are masked: tables may
+    be padded with any valid block id. Returns [B, Q, H, d]: cache.py's masked softmax(q k^T /
+    sqrt(d)) v in PyTorch's fused attention (enable_gqa: query head h reads KV head h // G without
+    a copy of K, V per head; CUDA: grouped_attention)."""
     # assignment: decode-attention
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                  # [B, W, bs, n_kv, d]: one gather
@@ -80,7 +77,6 @@ def grouped_attention(q, k, v, visible):
     qg = q.reshape(B, Q, -1, G, d).permute(0, 2, 1, 3, 4).reshape(B, -1, Q * G, d)   # row i * G + g
     mask = visible.repeat_interleave(G, dim=1)[:, None]                             # [B, 1, Q*G, T]
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-    # strict: a fallback raises
     with sdpa_kernel(fused) if STRICT_SDPA else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)           # [B, n_kv, Q*G, d]
     return out.view(B, -1, Q, G, d).permute(0, 1, 3, 2, 4).reshape(B, H, Q, d)
@@ -88,10 +84,9 @@ def grouped_attention(q, k, v, visible):
 
 @dataclass
 class QueryGroup:
-    """Sequences whose queries are padded to one length Q (a power of two). index[Bg, Q]: the
-    row of the flat batch of each padded query; padding points at row N, a dummy row past the
-    real ones. None: the whole batch in order, Q queries each. The rest as
-    batched_paged_attention."""
+    """Sequences whose queries are padded to one length Q (a power of two). index [Bg, Q]: each
+    padded query's row of the flat batch (padding: row N, a dummy past the real ones); None: the
+    whole batch in order, Q queries each. The rest as batched_paged_attention."""
     index: torch.Tensor | None
     block_tables: torch.Tensor           # [Bg, W]
     seq_lens: torch.Tensor               # [Bg]
@@ -99,10 +94,10 @@ class QueryGroup:
 
 
 class StepContext:
-    """The `ctx` Transformer.forward gets from the engine (cf. cache.AttentionContext).
-    Why groups: padding every query to the step's longest would multiply a mixed step's
-    attention work by up to the batch size (a 2000-token prefill chunk next to 63 decodes);
-    within a power-of-two length class padding wastes at most 2x (decode: one class)."""
+    """The `ctx` Transformer.forward gets from the engine (cf. cache.AttentionContext). Why
+    groups: padding every query to the step's longest would multiply a mixed step's attention work
+    by up to the batch size (a 2000-token prefill chunk next to 63 decodes); within a power-of-two
+    length class padding wastes at most 2x (decode: one class)."""
 
     def __init__(self, cache, slot_mapping, groups: list[QueryGroup], logits_indices=None):
         self.cache, self.slot_mapping, self.groups = cache, slot_mapping, groups
@@ -113,9 +108,8 @@ class StepContext:
         N, H, d = q.shape
         if len(self.groups) == 1 and self.groups[0].index is None:   # decode: no gather, no scatter
             g, B = self.groups[0], self.groups[0].block_tables.shape[0]
-            return batched_paged_attention(q.view(B, N // B, H, d), self.cache, layer,
-                                           g.block_tables, g.seq_lens,
-                                           g.query_lens).reshape(N, H, d)
+            return batched_paged_attention(q.view(B, -1, H, d), self.cache, layer, g.block_tables,
+                                           g.seq_lens, g.query_lens).reshape(N, H, d)
         qx = torch.cat([q, q.new_zeros(1, H, d)])       # row N: where padded queries read and write
         out = torch.empty_like(qx)
         for g in self.groups:                                  # a few length classes, not sequences
@@ -127,16 +121,13 @@ class StepContext:
 
 # --- The compiled path's attention: the paged cache read where it lies --------
 def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
-    """batched_paged_attention's function for torch.compile, in float32. q: [B, Q, H, d];
-    block_tables: [B, W]; q_pos: [B, Q], each query's position: it sees keys 0..q_pos (a window:
-    the last W).
-
-    Why: SDPA takes K, V as tensors, so batched_paged_attention first COPIES the
-    blocks into a padded [B, T, n_kv, d] tensor: the batch's whole context written
-    and read back per layer. Here the gather feeds only products and sums, which
-    inductor fuses into two reductions that load K, V through the block table (int8
-    dequantized there): each cached byte read once. Eagerly: a [B, Q, T, H, d] product.
-    """
+    """batched_paged_attention's function for torch.compile, in float32. q [B, Q, H, d],
+    block_tables [B, W], q_pos [B, Q]: each query's position; it sees keys 0..q_pos (a window: the
+    last W). Why: SDPA takes K, V as tensors, so batched_paged_attention first COPIES the blocks
+    into a padded [B, T, n_kv, d] tensor, the batch's whole context written and read back per
+    layer. Here the gather feeds only products and sums, which inductor fuses into two reductions
+    that load K, V through the block table (int8 dequantized there): each cached byte read once.
+    Eagerly: a [B, Q, T, H, d] product."""
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                      # [B, W, bs, n_kv, d]: fused loads
     n_kv, T = k.shape[3], k.shape[1] * k.shape[2]
@@ -163,9 +154,9 @@ def _paged_decode_kernel(q, k, v, tables, q_pos, out, m_out, l_out, scale, windo
                          BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr,
                          ONE_SPLIT: tl.constexpr):  # pragma: no cover (compiled for GPUs by Triton)
     """Program (b, h, s): the Q*G queries of sequence b that share KV head h, against keys
-    [s*chunk, (s+1)*chunk) of its pages. Each K, V row is read ONCE, through the block table,
-    for all G heads; an online softmax keeps a running max m, sum l and unnormalized output acc.
-    One split: the output itself. Several: (acc, m, l) per split, for _combine_splits_kernel."""
+    [s*chunk, (s+1)*chunk) of its pages. Each K, V row is read ONCE, through the block table, for
+    all G heads; an online softmax keeps a running max m, sum l and unnormalized output acc. One
+    split: the output itself. Several: (acc, m, l) per split, for _combine_splits_kernel."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = tl.arange(0, BLOCK_M)                          # row m = query i * G + head g (padded to 16)
     i, real = m // G, m < Q * G
@@ -209,8 +200,7 @@ def _paged_decode_kernel(q, k, v, tables, q_pos, out, m_out, l_out, scale, windo
 @jit
 def _combine_splits_kernel(acc, m, den, out, S, rows, D: tl.constexpr,
                            BLOCK_S: tl.constexpr):  # pragma: no cover (compiled for GPUs by Triton)
-    """Row r of the output from its S splits: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s,
-    M = max m_s."""
+    """Row r from its S splits: sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max m_s."""
     r, s, d = tl.program_id(0), tl.arange(0, BLOCK_S), tl.arange(0, D)
     ms = tl.load(m + s * rows + r, mask=s < S, other=float("-inf"))                      # [BLOCK_S]
     w = tl.exp(ms - tl.max(ms, axis=0))                                         # each split's share
@@ -239,10 +229,9 @@ def launch_paged_decode(q, k, v, block_tables, q_pos, window: int, splits: int |
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         splits = max(1, min(-(-2 * sms // (B * n_kv)), -(-W * bs // 256)))     # >= 256 keys a split
     chunk = -(-(-(-W * bs // splits)) // BLOCK_T) * BLOCK_T                       # keys per split
-    out = torch.empty_like(q) if splits == 1 else \
-        torch.empty(splits, B, Q, H, d, device=q.device, dtype=torch.float32)  # per split: sum p v,
-    m, den = (torch.empty(splits, B, Q, H, device=q.device, dtype=torch.float32)
-              for _ in "ml")                                                   # max, sum p
+    f32 = dict(device=q.device, dtype=torch.float32)              # per split: sum p v, max, sum p
+    out = torch.empty_like(q) if splits == 1 else torch.empty(splits, B, Q, H, d, **f32)
+    m, den = torch.empty(splits, B, Q, H, **f32), torch.empty(splits, B, Q, H, **f32)
     _paged_decode_kernel[(B, n_kv, splits)](
         q, k, v, block_tables, q_pos, out, m, den, 1 / math.sqrt(d), window, W, chunk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2), k.stride(3),
@@ -268,10 +257,9 @@ def _fitting(cfgs, named_args, **constants):
     return [c for c in cfgs if rows == 16 or c.kwargs["BLOCK_K"] <= 128]
 
 
-# Which tile streams a weight fastest depends on its shape and the GPU: Triton times these once
-# per (N, K, BLOCK_M) on first use (at the engine's warm-up, before CUDA graphs record) and keeps
-# the best. W_FIRST: the weight tile is the product's left operand, read row by row as it is
-# stored.
+# Which tile streams a weight fastest depends on its shape and the GPU: Triton times these once per
+# (N, K, BLOCK_M) on first use (the engine's warm-up, before CUDA graphs record) and keeps the
+# best. W_FIRST: the weight tile is the product's left operand, read row by row as it is stored.
 @autotune(configs=configs(*[(n, k, wf, warps) for wf in (0, 1) for n, k, warps in
                             ((16, 512, 4), (32, 256, 4), (32, 512, 4), (64, 256, 4), (64, 512, 8),
                              (32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 64, 8))],
@@ -281,10 +269,9 @@ def _fitting(cfgs, named_args, **constants):
 def _int8_matmul_kernel(x, w, scale, y, M, N, K, sx, sw, sy, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         W_FIRST: tl.constexpr):  # pragma: no cover (a GPU's kernel)
-    """y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N] with int8 w: program (n, m) streams BLOCK_N
-    weight rows once, converting each int8 byte to x's dtype in registers (never in memory), and
-    multiplies them on the tensor cores (tl.dot) with a BLOCK_M-row tile of x (decode: 1-16 rows,
-    padded: the weight bytes, not the FLOPs, set the time)."""
+    """y[M, N] = (x[M, K] @ w[N, K]^T) * scale[N], w int8: program (n, m) streams BLOCK_N weight
+    rows once, each byte converted to x's dtype in registers (never in memory), times a BLOCK_M-row
+    tile of x on the tensor cores (decode: 1-16 rows, padded: the weight bytes set the time)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)                  # y^T: [n, m]
@@ -316,21 +303,18 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
 
 
 def launch_int8_matmul(rows, weight, scale, tile: tuple | None = None):
-    """The kernel on rows [M, K]: autotuned, or with tile = (BLOCK_N, BLOCK_K, W_FIRST,
-    num_warps) given."""
+    """The kernel on rows [M, K]: autotuned, or tile = (BLOCK_N, BLOCK_K, W_FIRST, num_warps)."""
     M, (N, K) = rows.shape[0], weight.shape
     y = torch.empty(M, N, device=rows.device, dtype=rows.dtype)
     BLOCK_M = 16 if M <= 16 else 64       # decode batches: one tile of rows; larger: 64 per program
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, BLOCK_M))    # noqa: E731
     kernel, fixed = (_int8_matmul_kernel, {}) if tile is None else \
-        (_int8_matmul_kernel.fn, dict(BLOCK_N=tile[0], BLOCK_K=tile[1], W_FIRST=tile[2],
-                                      num_warps=tile[3]))
+        (_int8_matmul_kernel.fn, dict(zip(("BLOCK_N", "BLOCK_K", "W_FIRST", "num_warps"), tile)))
     kernel[grid](rows, weight, scale, y, M, N, K, rows.stride(0), weight.stride(0), y.stride(0),
                  BLOCK_M=BLOCK_M, **fixed)
     return y
 
 
 int8_matmul.register_fake(lambda x, weight, scale: x.new_empty(*x.shape[:-1], weight.shape[0]))
-# CUDA: up to this many rows through the Triton kernel (decode); more: converted weight
-INT8_KERNEL_ROWS = 64
+INT8_KERNEL_ROWS = 64  # CUDA: rows up to this through the kernel (decode); more: converted weight
 

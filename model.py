@@ -9,20 +9,15 @@ The lesson: a modern decoder-only LLM is a short stack of simple pieces.
         x = x + MLP(RMSNorm(x))            # SwiGLU feed-forward
     logits = LMHead(RMSNorm(x))            # [N, vocab]
 
-Place in the data flow: the engine (scheduler.py) flattens the tokens of all
-running sequences into one batch and calls Transformer.forward(input_ids[N],
-positions[N], ctx). Everything except attention is per token, so it runs on
-the flat [N, D] tensor whatever sequence a token belongs to ("selective
-batching"). Attention alone mixes tokens, of the same sequence only: the model
-hands q, k, v to `ctx.attend(layer, q, k, v)`, and the context (cache.py builds
-it each step) writes k, v into the paged KV cache and attends over it. With
-ctx=None the model runs the dense causal path over ONE sequence, no cache: the
-reference every faster path is tested against, and the "naive generation" baseline.
+Place in the data flow: the engine calls Transformer.forward(input_ids[N], positions[N], ctx)
+on the new tokens of all running sequences, flattened. All but attention is per token, so it
+runs on the flat [N, D] tensor, whatever sequence a token belongs to ("selective batching").
+Attention mixes tokens of one sequence only, through `ctx.attend(layer, q, k, v)`: cache.py's
+context writes k, v into the paged KV cache and attends over it. ctx=None: the dense causal
+path over ONE sequence, no cache, the reference every faster path is tested against.
 
-The weights come from `load_model(path)` at the bottom: a Hugging Face
-checkpoint directory, "random:<preset>" (published shapes, seeded random
-weights), or the default model (default_model_path); checking and reading them
-is support/'s plumbing. This file imports no other file of the tour.
+load_model(path) at the bottom reads a Hugging Face checkpoint directory or "random:<preset>"
+(published shapes, seeded random weights) through support/; this file imports no tour file.
 """
 from __future__ import annotations
 
@@ -34,8 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from support import checkpoint
-# public: model.default_model_path
-from support.default_model import default_model_path  # noqa: F401
+from support.default_model import default_model_path  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -57,13 +51,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     random_seed: int | None = None  # set by "random:" presets: the weights are random, not trained
-    # Mistral's W: a query sees only its last W positions (None: all)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # Mistral's W: a query sees its last W positions (None: all)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """From a config.json dict, each field type- and range-checked (support/checkpoint.py)
-        by its name there."""
+        """From a config.json dict, each field type- and range-checked (support/checkpoint.py)."""
         return cls(**checkpoint.config_fields(hf))
 
 
@@ -110,10 +102,9 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x, cos, sin):
-    """Rotate each pair (x[i], x[i + d/2]) by the angle position * inv_freq[i].
-    x: [N, heads, d]; cos, sin: [N, 1, d/2]. Hugging Face's "rotate half" pairing
-    (GGUF's interleaved pairs are undone by support/default_model.py). The point:
-    <rope(q, m), rope(k, n)> depends only on m - n: attention sees relative positions."""
+    """Rotate each pair (x[i], x[i + d/2]) by the angle position * inv_freq[i] (Hugging Face's
+    "rotate half" pairing, not GGUF's interleaved one). x: [N, heads, d]; cos, sin: [N, 1, d/2].
+    The point: <rope(q, m), rope(k, n)> depends only on m - n: attention sees relative positions."""
     # assignment: rmsnorm-rope
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -121,19 +112,17 @@ def apply_rope(x, cos, sin):
 
 
 def in_window(q_pos, k_pos, window: int):
-    """Sliding window (Mistral, as Hugging Face masks config.sliding_window): the query at
-    position q sees key position k iff q - W < k, its last W positions. q_pos [n_q], k_pos [T]
-    -> [n_q, T] bool (not causal)."""
+    """Sliding window (Mistral, Hugging Face's mask): the query at position q sees key position k
+    iff q - W < k, its last W positions. q_pos [n_q], k_pos [T] -> [n_q, T] bool (not causal)."""
     # assignment: sliding-window
     return k_pos[None, :] > q_pos[:, None] - window
     # end assignment
 
 
 def dense_causal_attention(q, k, v, window: int | None = None):
-    """Plain causal softmax attention over one sequence, GQA by grouping (a window: in_window too).
-    q: [N, H, d], k and v: [N, n_kv, d] -> [N, H, d]. The H query heads are
-    viewed as n_kv groups of G = H // n_kv heads that share one K/V head:
-    reshape q, never copy k/v (copying is what GQA exists to avoid)."""
+    """Plain causal softmax attention over one sequence (a window: in_window too). q: [N, H, d],
+    k and v: [N, n_kv, d] -> [N, H, d]. GQA by grouping: the H query heads are n_kv groups of
+    G = H // n_kv heads sharing one K/V head; reshape q, never copy k/v (what GQA avoids)."""
     # assignment: gqa-attention
     N, H, d = q.shape
     n_kv = k.shape[1]
@@ -219,13 +208,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # A buffer, so .to(device) moves it; not saved in checkpoints.
-        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)  # moves with .to
 
     def forward(self, input_ids, positions, ctx=None):
-        """input_ids, positions: [N] -> logits [N, vocab] (with ctx: only ctx.logits_indices rows).
-        Without ctx the N tokens are ONE sequence (dense causal attention); with ctx,
-        the flat concatenation of many sequences' new tokens."""
+        """input_ids, positions: [N] -> logits [N, vocab] (with ctx: its logits_indices rows)."""
         if ctx is None and input_ids.shape[0] > self.config.max_seq_len:
             raise ValueError(f"sequence of {input_ids.shape[0]} tokens is longer than the "
                              f"model's context of {self.config.max_seq_len}")
@@ -246,16 +232,14 @@ class Transformer(nn.Module):
 def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
              temperature: float = 0.0, eos_token_id: int | None = None,
              generator: torch.Generator | None = None) -> list[int]:
-    """Generate by re-running the whole sequence through the dense path at every step.
-    No KV cache: step t recomputes attention over all t tokens, so T tokens cost
-    O(T^2) token-passes instead of O(T). The reference the cached engine must
-    reproduce token for token, and bench.py's kv-cache baseline. Returns the new tokens."""
+    """The new tokens, each by re-running the whole sequence through the dense path: no KV cache,
+    so T tokens cost O(T^2) token-passes instead of O(T). The reference the cached engine must
+    reproduce token for token, and bench.py's kv-cache baseline."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: there is no token to condition on")
-    limit = model.config.max_seq_len
-    if len(prompt_ids) + max_new_tokens > limit:
+    if len(prompt_ids) + max_new_tokens > model.config.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
-                         f"exceeds the model's context of {limit} tokens")
+                         f"exceeds the model's context of {model.config.max_seq_len} tokens")
     device = model.embed_tokens.weight.device
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     out = []
@@ -276,15 +260,12 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
 # --- What a token costs: the roofline's FLOPs ---------------------------------------
 
 def model_flops_per_token(cfg: ModelConfig, context: int) -> float:
-    """FLOPs to run one token through the model at a `context`-token position: 2 FLOPs
-    (a multiply and an add) per weight of every matmul, plus attention's QK^T and PV over
-    the context. Over the bytes a step reads it is the step's arithmetic intensity: a
-    decode step of B sequences does B x this for one read of the weights
-    (experiments/roofline.py)."""
+    """FLOPs to run one token through the model at a `context`-token position: 2 FLOPs (a multiply
+    and an add) per weight of every matmul, plus attention's QK^T and PV over the context. A decode
+    step of B sequences does B x this for one read of the weights (experiments/roofline.py)."""
     # assignment: roofline
     d, h, kv, hd, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    # q, k, v, o projections + gate, up, down (each 2 * in * out), then attention:
-    # QK^T and PV are each 2 * H * head_dim FLOPs per cached token.
+    # q, k, v, o + gate, up, down (each 2 * in * out); QK^T and PV: each 2 * H * hd per cached token
     per_layer = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f) + 4 * h * hd * context
     return cfg.n_layers * per_layer + 2 * d * cfg.vocab_size
     # end assignment
@@ -293,18 +274,16 @@ def model_flops_per_token(cfg: ModelConfig, context: int) -> float:
 # --- Loading: a short door into support/checkpoint.py -----------------------------
 
 def read_config(path) -> ModelConfig:
-    """The config of a model path without loading any weight: a checkpoint
-    directory's config.json, or a "random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W]"
-    preset's."""
+    """The config of a model path without loading any weight: a checkpoint directory's
+    config.json, or a "random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W]" preset's."""
     return ModelConfig(**checkpoint.read_config_fields(path))
 
 
 def load_model(path, device="cpu", dtype=torch.float32):
-    """A checkpoint directory or "random:<preset>[:seed=N]" -> (model, config).
-    The model is built on the "meta" device (shapes, no memory): the names and shapes
-    of its tensors are what the checkpoint must hold, strictly (ONE error lists every
-    difference). Each tensor is cast straight to its device and dtype, so peak memory
-    is about one copy of the weights; device="meta" reads none, a preset reads nothing."""
+    """A checkpoint directory or "random:<preset>[:seed=N]" -> (model, config). The names and
+    shapes of the model's tensors are what the checkpoint must hold, strictly (ONE error lists
+    every difference). Each tensor goes straight to its device and dtype, so peak memory is about
+    one copy of the weights; device="meta" reads none."""
     cfg = read_config(path)
     if cfg.random_seed is not None:
         return random_weights(cfg, cfg.random_seed, device=device, dtype=dtype)
@@ -313,9 +292,8 @@ def load_model(path, device="cpu", dtype=torch.float32):
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, device="cpu", dtype=torch.float32):
-    """A Transformer for cfg with seeded random weights, made directly on `device`
-    in `dtype`, scaled so activations stay finite through any depth: speed
-    depends on shapes and bytes only, so timings are real; text is not."""
+    """A Transformer for cfg with seeded random weights on `device` in `dtype`, scaled so
+    activations stay finite through any depth: timings are real (shapes and bytes); text is not."""
     return _build(cfg, device,
                   lambda expected: checkpoint.random_tensors(expected, seed, device, dtype))
 

@@ -1,10 +1,9 @@
 """
 parallel.py -- tensor parallelism: one model across several devices.
 
-The lesson: when one device is too small or too slow for a model, split
-EVERY layer across N devices (Megatron-LM's tensor parallelism) rather than
-giving each device a few whole layers. A linear layer y = x W^T can be split
-two ways, and a transformer layer is one of each, back to back:
+The lesson: when one device is too small or too slow for a model, split EVERY layer
+across N devices (Megatron-LM) rather than giving each device a few whole layers.
+A linear y = x W^T splits two ways, and a transformer layer is one of each, back to back:
 
     column-parallel (q, k, v, gate, up): rank r owns some OUTPUT features (rows of W),
         its own heads / FFN columns: from the full x, its slice of y; no communication.
@@ -18,27 +17,24 @@ two ways, and a transformer layer is one of each, back to back:
       -> gate, up column-parallel      [T, F/N]                      silu(g)*u is elementwise
       -> down     row-parallel         [T, D] partial  -> all-reduce #2
 
-So TWO all-reduces per layer, each of a [tokens, D] activation. Per step:
+So TWO all-reduces of a [tokens, D] activation per layer (the vocabulary is split
+too: VocabParallelEmbedding and VocabParallelHead). Per step:
 
     all-reduce payload = 2 * layers * tokens * dim * bytes_per_value
     ring all-reduce:     each rank sends (and receives) 2 (N-1)/N of it
     communication time ~ 2 (N-1)/N * payload / link bandwidth   (+ a latency per call)
 
-while each rank reads 1/N of the weights and holds 1/N of the KV cache (its KV
-heads: 2 * L * (KV/N) * d * bytes per token, so a device holds N times the tokens).
-The trade: N times less memory traffic per device against two all-reduces per
-layer on the link. Over NVLink it pays; over PCIe or between machines it often
-does not, so tensor parallelism stays inside one node. The vocabulary is split
-by rows: the embedding (an all-reduce fills in other ranks' ids) and the LM head
-(an all-gather assembles the logits).
+against N times less memory traffic per device: each rank reads 1/N of the weights
+and holds 1/N of the KV cache (its KV heads: 2 * L * (KV/N) * d * bytes per token).
+Over NVLink it pays; over PCIe or between machines it often does not, so tensor
+parallelism stays inside one node.
 
-Place in the data flow: rank 0 is the engine's own process (scheduler, block
-manager, sampler, unchanged). TensorParallelGroup.forward broadcasts each step
-(copy-on-write copies, ids, positions, ctx) to N-1 workers (_worker_loop), then
-every rank runs its slice (shard_model) over its own KV pool; all pools have as
-many blocks, so one block table addresses them all. torch.distributed: NCCL on
-CUDA, gloo on CPU. model.py knows nothing of this (shard_model swaps modules, as
-quantize_model does); starting and stopping processes is support/workers.py's.
+Place in the data flow: rank 0 is the engine's own process (scheduler, block manager, sampler
+unchanged); TensorParallelGroup.forward broadcasts each step (copy-on-write copies, ids,
+positions, ctx) to N-1 workers (_worker_loop), and every rank runs its slice over its own KV
+pool of as many blocks, so one block table addresses them all. model.py knows nothing of this
+(shard_model swaps modules, as quantize_model does); the processes (NCCL on CUDA, gloo on CPU)
+are support/workers.py's.
 """
 import copy
 import dataclasses
@@ -51,8 +47,8 @@ from cache import kv_cache_bytes
 from model import ModelConfig, load_model, read_config
 from quantize import Int8Linear, make_kv_cache, quantize_model
 from support.checks import check_kv_pool_args, check_shardable, check_tensor_parallel
-from support.workers import (CollectiveCounters, TensorParallelError, WorkerGroup,  # noqa: F401
-                             WorkerSpec, serve_worker)
+from support.workers import CollectiveCounters, TensorParallelError, WorkerGroup  # noqa: F401
+from support.workers import WorkerSpec
 
 # --- The collectives ----------------------------------------------------------
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single; torch 2.11 has only the old one.
@@ -65,9 +61,7 @@ class Collectives(CollectiveCounters):
 
     def __init__(self, rank: int, world_size: int, group=None):
         super().__init__()
-        self.rank = rank
-        self.world_size = world_size
-        self.group = group
+        self.rank, self.world_size, self.group = rank, world_size, group
 
     def _call(self, x, fn, *args):
         if self.timing:
@@ -85,17 +79,15 @@ class Collectives(CollectiveCounters):
         Not a gather to rank 0: the same bytes, and dynamo traces an all-gather, not a gather."""
         if self.world_size == 1:
             return x
-        x = x.contiguous()
-        out = x.new_empty(self.world_size * x.shape[0], *x.shape[1:])            # [N * rows, V/N]
-        self._call(x, _all_gather, out, x)
+        x, N = x.contiguous(), self.world_size
         rows, cols = x.shape
-        out = out.view(self.world_size, rows, cols).transpose(0, 1)              # [rows, N, V/N]
-        return out.reshape(rows, self.world_size * cols)
+        out = x.new_empty(N * rows, cols)                                         # [N * rows, V/N]
+        self._call(x, _all_gather, out, x)
+        return out.view(N, rows, cols).transpose(0, 1).reshape(rows, N * cols)  # [rows, N, V/N]
 
 
 # --- The parallel layers: each keeps its slice in an inner nn.Linear / Int8Linear / nn.Embedding,
-# so code that walks those still works (support/timing.choose_weight_layout re-lays nn.Linear
-# weights in place; quantize.decode_weight_bytes counts them).
+# so code that walks those still works (timing.choose_weight_layout, quantize.decode_weight_bytes).
 
 def _narrow_(module: nn.Module, name: str, dim: int, rank: int, world_size: int):
     """Keep rank's 1/world_size of module.<name> along dim, in place: a copy, since a view
@@ -160,8 +152,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         _narrow_(embedding, "weight", 0, rank, world_size)       # [V/N, D]
         embedding.num_embeddings //= world_size
-        self.embed = embedding
-        self.comm = comm
+        self.embed, self.comm = embedding, comm
         self.start = rank * embedding.num_embeddings             # its ids: [start, end)
         self.end = self.start + embedding.num_embeddings
 
@@ -212,8 +203,7 @@ def shard_model(model, rank: int, world_size: int, comm: Collectives | None = No
         a.k_proj = ColumnParallelLinear(a.k_proj, rank, world_size)
         a.v_proj = ColumnParallelLinear(a.v_proj, rank, world_size)
         a.o_proj = RowParallelLinear(a.o_proj, rank, world_size, comm)       # all-reduce #1
-        a.n_heads //= world_size
-        a.n_kv_heads //= world_size
+        a.n_heads, a.n_kv_heads = a.n_heads // world_size, a.n_kv_heads // world_size
         m.gate_proj = ColumnParallelLinear(m.gate_proj, rank, world_size)    # its FFN columns
         m.up_proj = ColumnParallelLinear(m.up_proj, rank, world_size)
         m.down_proj = RowParallelLinear(m.down_proj, rank, world_size, comm) # all-reduce #2
@@ -222,8 +212,6 @@ def shard_model(model, rank: int, world_size: int, comm: Collectives | None = No
     if tied:          # one table: the head sliced the same rows; keep a single copy of them
         model.lm_head.linear.weight = model.embed_tokens.weight
     model.full_config, model.config = cfg, shard_config(cfg, world_size)
-    model.tp_rank = rank
-    model.tp_world_size = world_size
     model.tp_comm = comm
     return model
 
@@ -279,9 +267,8 @@ def tensor_parallel_cost(cfg: ModelConfig, world_size: int, tokens: int, dtype=t
 # --- One step on every rank: rank 0 sends it, each worker's loop runs it -----------
 
 def _place(obj, device, cache):
-    """A copy of obj (tensors, lists, tuples, dicts, contexts and their dataclasses) with its
-    tensors on `device`, a context's .cache set to `cache`: rank 0 sends it on "cpu", a worker
-    uses its own."""
+    """A copy of obj (tensors, lists, tuples, dicts, contexts, dataclasses) with its tensors on
+    `device` and a context's .cache set to `cache` (rank 0 sends it on "cpu", without one)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if type(obj) in (list, tuple):
@@ -322,7 +309,6 @@ def _worker_loop(model, device, dtype, commands):
         else:                               # "step": (copies, fn, args)
             copies, fn, args = payload
             _execute(model, cache, copies, fn, _place(args, device, cache))
-    dist.destroy_process_group()
 
 
 class TensorParallelGroup(WorkerGroup):
@@ -339,9 +325,7 @@ class TensorParallelGroup(WorkerGroup):
             raise ValueError(f"tensor parallelism shards float or int8 weights, not "
                              f"{quantization!r}")
         spec = WorkerSpec(path, world_size, device_type, dtype, quantization, collective_timeout_s)
-        # a worker runs `python -c entry` (so a user's script needs no __main__ guard)
-        entry = "import parallel; parallel.serve_worker(parallel.load_shard, parallel._worker_loop)"
-        super().__init__(spec, load_shard, _worker_loop, entry, startup_timeout_s)
+        super().__init__(spec, load_shard, _worker_loop, startup_timeout_s)
 
     def allocate_cache(self, num_blocks: int, block_size: int = 16, kv_cache_dtype=None):
         """Every rank allocates num_blocks blocks for its KV heads (one block manager for all)."""
@@ -356,9 +340,8 @@ class TensorParallelGroup(WorkerGroup):
         return self.cache
 
     def forward(self, input_ids, positions, ctx=None, copies=()):
-        """One step on every rank -> logits [rows, V]; each rank runs a copy of ctx holding
-        its own pool, after the pending copy-on-write (src, dst) copies (twice on rank 0:
-        harmless)."""
+        """One step on every rank -> logits [rows, V], after the pending copy-on-write (src, dst)
+        copies (twice on rank 0: harmless); each rank's copy of ctx holds its own pool."""
         return self.run(_forward, input_ids, positions, ctx, copies=copies)
 
     def run(self, fn, *args, copies=()):

@@ -1,12 +1,9 @@
 """
 quantize.py -- the quantization chapter: fewer bytes per weight, fewer bytes per step.
 
-The lesson: decode is memory-bound. A decode step at small batch reads every weight once
-and does ~2 FLOPs per weight per sequence, so its time is
-
-    step time ~ (weight bytes + KV cache bytes) / memory bandwidth
-
-and halving the bytes per value halves the step. Four formats, each a drop-in nn.Linear:
+The lesson: decode is memory-bound. A small-batch step reads every weight once for ~2 FLOPs
+per weight per sequence: step time ~ (weight bytes + KV bytes) / memory bandwidth, so halving
+the bytes per value halves the step. Four formats, each a drop-in nn.Linear:
 
   * int8 weight-only (Int8Linear): integers and one float scale per output row (absmax)
         scale[o] = max_i |W[o, i]| / 127        q[o, i] = round(W[o, i] / scale[o])
@@ -24,11 +21,10 @@ AWQ (awq_scale) keeps weights int4 but protects the ones those channels multiply
 channel i of W scaled up by s_i, x down by 1/s_i (folded into the RMSNorm or linear before:
 the same function in full precision), gives them more of the 16 levels; s = mean|x|^alpha.
 
-Embeddings stay in floating point (a lookup reads N rows, not the table); a tied LM head
-becomes a quantized copy. The int8 KV cache keeps a float32 scale per (token, head): 2 *
-layers * kv_heads * (head_dim + 4) bytes per token. LLM(quantization=...) calls
-quantize_model() right after load_model(); LLM(kv_cache_dtype="int8") makes an Int8KVCache.
-experiments/quantization.py measures what each format costs in bytes, speed and perplexity.
+Embeddings stay in floating point (a lookup reads N rows); a tied LM head becomes a quantized
+copy. LLM(quantization=...) calls quantize_model() right after load_model();
+LLM(kv_cache_dtype="int8") makes an Int8KVCache. experiments/quantization.py measures each
+format's bytes, speed and perplexity.
 """
 from __future__ import annotations
 
@@ -38,18 +34,15 @@ import torch.nn.functional as F
 
 from cache import KVCache, store_rows
 from kernels import INT8_KERNEL_ROWS, int8_matmul
-from support.gpu import triton
+from support.gpu import tinygemm_layout, triton
 
 QMAX = 127   # symmetric: [-127, 127], so -q is always representable
 
 
 # --- The quantizer -----------------------------------------------------------
 def quantize_int8(w: torch.Tensor, dim: int = -1):
-    """Symmetric absmax int8 along `dim`: w ~= q * scale.
-
-    Returns q (int8, w's shape) and scale (float32, w's shape without `dim`).
-    An all-zero slice gets scale 1 (q is 0 there anyway) so nothing divides by 0.
-    """
+    """Symmetric absmax int8 along `dim`: w ~= q * scale. Returns q (int8, w's shape) and scale
+    (float32, without `dim`); an all-zero slice gets scale 1, so nothing divides by 0."""
     # assignment: int8
     absmax = w.detach().abs().amax(dim=dim, keepdim=True).float()
     scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
@@ -69,10 +62,9 @@ FUSED_ROWS = 8   # compiled int8 products of up to this many rows run as one fus
 
 
 class QuantLinear(nn.Module):
-    """What every format shares: the shape, a float bias, and forward = F.linear on the
-    weight the format stands for (a subclass's dequantized(dtype) [out, in]). Eagerly that
-    weight is a float copy, written then read back: MORE bytes than a bf16 weight, so eager
-    quantized layers are slower than bf16. Compiled decode reads the small format itself."""
+    """What every format shares: the shape, a float bias, and forward = F.linear on the weight
+    it stands for (dequantized(dtype) [out, in]). Eagerly that is a float copy, written then
+    read back: MORE bytes than bf16. Compiled decode reads the small format itself."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -85,11 +77,10 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _fused(self, x):  # pragma: no cover (compiled code only: see the docstring's last line)
-        """gpt-fast's decode product, which the compiler turns into ONE kernel: as elementwise
-        multiply + sum, unpacking and scaling are part of the reduction's load, in registers
-        (no float weight is written). Output [out, rows]: rows sharing a weight row are
-        neighbours, so it is loaded once for all. Only for a few rows (no tensor cores or
-        BLAS blocking). Eagerly it would materialize [out, rows, in]: compiled code only."""
+        """gpt-fast's decode product, ONE kernel once compiled: as multiply + sum, unpacking and
+        scaling happen in the reduction's load, in registers (no float weight is written). Output
+        [out, rows]: rows sharing a weight row are neighbours, so it is loaded once. For a few
+        rows only (no tensor cores). Eagerly it would materialize [out, rows, in]."""
         rows = x.reshape(-1, self.in_features)                                       # [R, in]
         y = (self.dequantized(x.dtype)[:, None, :] * rows[None, :, :]).sum(-1)        # [out, R]
         return y.t().view(*x.shape[:-1], self.out_features)
@@ -99,26 +90,23 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """int8 weight [out, in] and a scale per output row. forward is (x @ q^T) * scale (+ bias)
-    in one of four ways: on CUDA, kernels.int8_matmul (Triton); on CPU with bf16 activations,
-    torch._weight_int8pack_mm, reading the int8 weight directly; compiled, _fused; else
-    F.linear on the converted weight."""
+    """int8 weight [out, in], a scale per output row; forward = (x @ q^T) * scale (+ bias): on
+    CUDA kernels.int8_matmul (Triton); on CPU in bf16 torch._weight_int8pack_mm (reads the int8
+    weight); compiled, _fused; else F.linear on the converted weight."""
     kind = "int8"
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         q, scale = quantize_int8(linear.weight)
         self.register_buffer("weight", q)          # [out, in] int8: 1 byte per value
-        # [out], in the model's dtype: a bf16 kernel wants bf16 scales, and converting in forward
-        # is one more op per layer (one that inductor's lowering of _weight_int8pack_mm refuses).
+        # [out] in the model's dtype: bf16 kernels want bf16 scales (no conversion per call)
         self.register_buffer("scale", scale.to(linear.weight.dtype))
 
     def forward(self, x):
         # assignment: int8
         if (x.device.type == "cuda" and triton is not None
                 and x.numel() <= INT8_KERNEL_ROWS * self.in_features):
-            # the int8 bytes read once, converted in registers
-            y = int8_matmul(x, self.weight, self.scale)
+            y = int8_matmul(x, self.weight, self.scale)      # converted in registers
         elif x.device.type == "cpu" and x.dtype == torch.bfloat16:
             y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight,
                                           self.scale.to(x.dtype))
@@ -139,16 +127,16 @@ FP8_MAX = 448.0    # the largest float8_e4m3fn: (1 + 6/8) * 2^8
 
 
 def quantize_fp8(w: torch.Tensor):
-    """Per output row of w [N, K]: scale = absmax / 448 (1 for an all-zero row), q = w / scale
-    rounded to the nearest e4m3 value. Returns q [N, K] float8_e4m3fn and scale [N] float32."""
+    """Per row of w [N, K]: scale = absmax / 448 (1 for a zero row), q = w / scale rounded to
+    the nearest e4m3. Returns q [N, K] float8_e4m3fn, scale [N] float32."""
     absmax = w.detach().abs().amax(-1, keepdim=True).float()
     scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
 class Fp8Linear(QuantLinear):
-    """fp8 weight [out, in] (1 byte a value, as int8) and a float32 scale per row, upcast in the
-    matmul. Its error is relative: small weights keep digits that int8's fixed step rounds off."""
+    """fp8 weight [out, in] and a float32 scale per row, upcast in the matmul. Its error is
+    relative: small weights keep digits that int8's fixed step rounds off."""
     kind = "fp8 e4m3"
 
     def __init__(self, linear: nn.Linear):
@@ -168,11 +156,10 @@ def int4_group(k: int) -> int:
 
 
 def quantize_int4(w: torch.Tensor, group: int):
-    """Asymmetric int4 per group of `group` consecutive inputs of each row of w [N, K]:
-    w ~= (q - zero) * scale, q in [0, 15]; a group's range [min, max] is widened to hold 0
-    (which zero stands for exactly); scale = (max - min) / 15, at least 1e-5 (an all-zero
-    group), rounded to float16 BEFORE q is computed with it. Returns q [N, K] uint8 (one level
-    a byte: pack_int4 halves it), scale [N, K // group] float16, zero [N, K // group] uint8."""
+    """Asymmetric int4 per `group` consecutive inputs of each row of w [N, K]: w ~= (q - zero) *
+    scale, q in [0, 15]; the range [min, max] widened to hold 0 (zero stands for it exactly);
+    scale = (max - min) / 15 >= 1e-5, rounded to float16 BEFORE q is computed with it. Returns
+    q [N, K] uint8 (pack_int4 halves it), scale [N, K // group] float16, zero (same) uint8."""
     # assignment: int4
     N, K = w.shape
     g = w.detach().float().reshape(N, K // group, group)                       # [N, G, group]
@@ -208,10 +195,9 @@ def dequantize_int4(q, scale, zero, dtype=torch.float32):
 
 
 class Int4Linear(QuantLinear):
-    """int4 weight [out, in // 2] uint8 with a float16 scale and a uint8 zero per group
-    [out, in // group]: 64 + 3 bytes per 128 weights (0.13x float32), unpacked in forward.
-    On CUDA in bf16, decode runs torch's int4 kernel (tinygemm, as gpt-fast and torchao): it
-    reads the same levels in its own tiled layout, `tiled`, made once here."""
+    """int4 weight [out, in // 2] uint8, a float16 scale and a uint8 zero per group [out, in //
+    group]: 64 + 3 bytes per 128 weights (0.13x float32). On CUDA in bf16, decode runs torch's
+    int4 kernel (tinygemm, as gpt-fast and torchao) on the same levels in its own tiled layout."""
 
     def __init__(self, linear: nn.Linear, group: int | None = None):
         super().__init__(linear)
@@ -236,34 +222,15 @@ class Int4Linear(QuantLinear):
         return dequantize_int4(unpack_int4(self.weight), self.scale, self.zero, dtype)
 
 
-def tinygemm_layout(packed, scale, zero, group: int, dtype):
-    """(levels, scales_and_zeros) for torch._weight_int4pack_mm where it runs (CUDA, bf16), else
-    None. Its levels: input 2j in the HIGH nibble, tiled; its dequantization (q - 8) * s + m with
-    m = (8 - zero) * s, [in // group, out, 2] bf16 (the float16 scale rounded to bf16)."""
-    N, K = packed.shape[0], 2 * packed.shape[1]
-    tiles = next((t for t in (8, 4, 2) if K % (16 * t) == 0), None)
-    if not (packed.is_cuda and dtype == torch.bfloat16 and tiles and N % 8 == 0
-            and group in (32, 64, 128, 256) and hasattr(torch, "_convert_weight_to_int4pack")):
-        return None
-    return (torch._convert_weight_to_int4pack((packed >> 4) | (packed << 4), tiles),
-            tinygemm_scales(scale, zero))
-
-
-def tinygemm_scales(scale, zero):
-    """(q - zero) * s as tinygemm's (q - 8) * s + m, m = (8 - zero) * s: [in // group, out, 2]."""
-    m = (8 - zero.float()) * scale.float()
-    return torch.stack((scale.t().float(), m.t()), -1).to(torch.bfloat16).contiguous()
-
-
 # --- LLM.int8(): int8 x int8 products, the outlier columns in floating point --------------
 OUTLIER = 6.0    # |x| above this marks an input column as an outlier (the paper's threshold)
 
 
 class LLMInt8Linear(QuantLinear):
-    """int8 weight [out, in] with a scale per row (as Int8Linear) AND int8 activations. Per call,
-    the input columns where any row of x exceeds OUTLIER go through the float product with
-    those columns of the dequantized weight; the rest of x is int8 with one scale per row (its
-    absmax WITHOUT the outliers), int8 x int8 -> int32 exactly, then times both scales."""
+    """int8 weight [out, in] with a scale per row AND int8 activations. Per call, the input
+    columns where any row of x exceeds OUTLIER go through the float product; the rest of x is
+    int8 with a scale per row (its absmax WITHOUT the outliers), int8 x int8 -> int32 exactly,
+    then times both scales. (Its columns vary per call: no CUDA graph can replay it.)"""
     kind = "llm.int8"
 
     def __init__(self, linear: nn.Linear):
@@ -293,11 +260,10 @@ AWQ_ROWS = 256   # output rows the search errs on (evenly spaced): a sample, for
 
 
 def awq_search(x: torch.Tensor, weight: torch.Tensor, group: int):
-    """AWQ's scales for the linears that read x [T, K] (calibration rows), weight [N, K]
-    their rows stacked: per input channel s = mean_t |x[t]|^alpha, normalised so that
-    sqrt(max(s) * min(s)) = 1, for the alpha on the grid whose int4 layer (W * s quantized,
-    then / s: what the folded model computes) gives the least mean squared output error on x
-    against the float layer. Returns (s [K] float32, alpha)."""
+    """AWQ's scales for the linears that read x [T, K] (calibration rows), weight [N, K] their
+    rows stacked: per input channel s = mean_t |x[t]|^alpha (sqrt(max(s) * min(s)) = 1), for the
+    alpha of the grid whose int4 layer (W * s quantized, then / s: what the folded model
+    computes) errs least on x (mean squared output error). Returns (s [K] float32, alpha)."""
     # assignment: awq
     x, weight = x.float(), weight.float()
     mean, ref = x.abs().mean(0), x @ weight.t()                         # [K], [T, N]
@@ -352,9 +318,8 @@ FORMATS = {"int8": Int8Linear, "fp8": Fp8Linear, "llm.int8": LLMInt8Linear, "int
 
 
 def quantize_model(model: nn.Module, method: str = "int8", calibration=None) -> nn.Module:
-    """Swap every nn.Linear of `model` for its `method` layer (FORMATS) in place, one at a time:
-    the peak is the float model plus one quantized layer. "awq" first folds AWQ's scales,
-    calibrated on `calibration` (token ids), then quantizes to int4."""
+    """Swap every nn.Linear for its `method` layer (FORMATS) in place, one at a time (the peak:
+    the float model + one layer). "awq" first folds scales calibrated on `calibration` ids."""
     if method not in FORMATS:
         raise ValueError(f"unknown quantization {method!r}; the supported methods are "
                          f"{', '.join(FORMATS)}")
@@ -373,9 +338,8 @@ def quantize_model(model: nn.Module, method: str = "int8", calibration=None) -> 
 
 
 def decode_weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter and buffer of every layer (a
-    tensor shared by two layers, like a tied head, once), except the embedding table, of
-    which a lookup reads only the N rows it needs."""
+    """Weight bytes one decode step reads: every parameter and buffer of every layer (a shared
+    one, like a tied head, once), but the embedding table (a lookup reads N rows)."""
     tensors = {}
     for m in model.modules():
         if next(m.children(), None) is None and not isinstance(m, nn.Embedding):
@@ -391,13 +355,9 @@ def int8_kv_cache_bytes(cfg, num_tokens: int = 1) -> int:
 
 
 class Int8KVCache(KVCache):
-    """KVCache storing int8 K, V [L, blocks, block_size, n_kv, d] and float32 scales
-    [L, blocks, block_size, n_kv], one per token and head.
-
-    Only write (quantize) and blocks (dequantize) differ: paged attention in cache.py and
-    kernels.py reads through blocks(), so it works unchanged and sees K, V in the model's
-    dtype. total_bytes and copy_block cover the scales too: they walk KVCache.pools().
-    """
+    """int8 K, V [L, blocks, block_size, n_kv, d] and float32 scales [L, blocks, block_size,
+    n_kv], one per token and head. Only write (quantize) and blocks (dequantize) differ: paged
+    attention reads through blocks() unchanged; total_bytes and copy_block walk pools()."""
     storage_dtype = torch.int8
 
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):

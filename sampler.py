@@ -1,23 +1,19 @@
 """
 sampler.py -- sampling that costs what a request asks for.
 
-The lesson: sampling is per request (temperature, top-k/p, min-p, penalties, a seed), yet
-it runs as ONE batched operation per step and pays only for what each request asks for.
-Greedy rows (the common case) are one argmax: no sort, no softmax, no noise. Only rows that
-ask for top-k pay for a topk, top-p < 1 for a sort, penalties for counting their history.
-Every sampled row then draws its token with ONE uniform number, by inverse CDF, vectorized.
+The lesson: sampling is per request (temperature, top-k/p, min-p, penalties, a seed), yet it
+runs as ONE batched operation per step, each row paying only for what it asks: greedy rows are
+one argmax (no sort, softmax or noise); top-k rows pay for a topk, top-p < 1 for a sort,
+penalties for counting their history. Each sampled row draws with ONE uniform, by inverse CDF.
 
-The uniforms are counter-based: u = hash(request key, output position, stream), a pure
-function like JAX's or Philox's counters (a per-request torch.Generator is sequential
-state: one launch per row, and a preempted request would replay different noise). The
-key mixes the request's seed with the sample index, so a seeded request gets the same
-tokens whatever else is in the batch and after preemption, and no two samples of one
-request share noise. Streams keep the uses of one position (the draw, a draft's
-acceptance test, the draft model's own draw) independent.
+The uniforms are counter-based, a pure function u = hash(key, output position, stream) like
+JAX's or Philox's counters (a per-request torch.Generator is sequential state: one launch per
+row, and other noise after preemption). The key mixes the seed with the sample index: a seeded
+request gets the same tokens whatever the batch, even preempted, and its n samples differ.
 
-Place in the data flow: step 3 of LLM.step (engine.py) calls sample_tokens once on
-the logits rows of every sampling sequence (drafts judged by speculative.py's rejection
-rule); step 4 streams each sequence's text through its StopStrings.
+Place in the data flow: step 3 of LLM.step (engine.py) calls sample_tokens once on the logits
+rows of every sampling sequence (drafts judged by speculative.py's rejection rule); step 4
+streams each sequence's text through its StopStrings.
 """
 from __future__ import annotations
 
@@ -31,10 +27,8 @@ from support.checks import check_sampling_params
 
 # --- What a request asks for -------------------------------------------------
 def knob(default, **bounds):
-    """A field of SamplingParams with its range beside it: ge / gt / le bound a number (or each
-    entry of a list), items caps a list, chars a string. support/checks.py checks every field
-    against it for the library and the server alike, and serve.py's request schema is made
-    from these fields: a new option is one line here, plus the code that uses it."""
+    """A field of SamplingParams with its range (support/checks.py), from which serve.py's
+    request schema is made too: a new option is one line here, plus the code that uses it."""
     if default is list:
         return field(default_factory=list, metadata=bounds)
     return field(default=default, metadata=bounds)
@@ -42,15 +36,12 @@ def knob(default, **bounds):
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request, and when to stop. Each field declares its range
-    beside it (knob, above): the one place a sampling option is written down."""
-    # new tokens at most (per sample); 0: only score the prompt (needs prompt_logprobs)
-    max_tokens: int = knob(64, ge=0, le=2**31 - 1)
+    """How to pick tokens for one request, and when to stop: each option is written down once."""
+    max_tokens: int = knob(64, ge=0, le=2**31 - 1)    # per sample; 0: prompt_logprobs only
     temperature: float = knob(0.0, ge=0)          # 0 = greedy (argmax); else softmax(logits / T)
     top_k: int = knob(0, ge=0)                    # keep the k most likely (0 or k >= vocab: all)
     top_p: float = knob(1.0, gt=0, le=1)          # keep the smallest set with probability >= top_p
-    # the same tokens whatever the batch (counter-based noise, below); None: a seed of its own
-    seed: int | None = knob(None, ge=-2**63, le=2**64 - 1)
+    seed: int | None = knob(None, ge=-2**63, le=2**64 - 1)    # None: a seed of its own
     stop: str | list[str] = knob(list, items=16, chars=1024)      # stop strings (cut from the text)
     stop_token_ids: list[int] = knob(list, items=1024, ge=0, le=2**63 - 1)   # also end generation
     ignore_eos: bool = knob(False)                # keep going past EOS (benchmarks)
@@ -58,8 +49,7 @@ class SamplingParams:
     logprobs: int | None = knob(None, ge=0, le=20)    # the chosen token's + this many others
     prompt_logprobs: int | None = knob(None, ge=0, le=20)    # the same for the prompt: scoring
     min_p: float = knob(0.0, ge=0, le=1)          # keep p >= min_p * the top token's p (0 = off)
-    # vLLM's and OpenAI's penalties (1, 0, 0: off). A token of the prompt or output: logit / rep
-    # if > 0, * rep if < 0; then logit -= presence * (token in the output) + frequency * its count
+    # vLLM's and OpenAI's penalties (1, 0, 0: off); the rule: penalize, below
     repetition_penalty: float = knob(1.0, ge=0.01, le=100)
     presence_penalty: float = knob(0.0, ge=-2, le=2)
     frequency_penalty: float = knob(0.0, ge=-2, le=2)
@@ -75,17 +65,14 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:        # if not, nothing is counted for this request
-        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
-        return penalties != (1, 0, 0)
+        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1, 0, 0)
 
 
 # --- Counter-based noise -----------------------------------------------------
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15          # 2^64 / golden ratio: SplitMix64's increment
-# The noise streams of one output position:
-DRAW = 0             # the token drawn there
-ACCEPT = 1           # the acceptance test of the draft there
-DRAFT = 2            # the draft model's own draw
+# A position's independent noise streams: its draw, its draft's acceptance test, the draft's draw
+DRAW, ACCEPT, DRAFT = 0, 1, 2
 
 
 def _mix64(x: int) -> int:
@@ -111,9 +98,8 @@ def uniform(key: int, position: int, stream: int = DRAW) -> float:
 # --- Filtering and the draw --------------------------------------------------
 def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float], min_p=None):
     """Probabilities [R, V] of sampled rows after temperature, min-p, top-k, then top-p (vLLM's
-    order): logits [R, V] float32; temperature [R]; top_k (0 = off), top_p (1 = off), min_p
-    (0 = off) as host lists, so no host-device round trip decides which rows to filter. Ties
-    at a threshold are all kept."""
+    order): logits [R, V] float32, temperature [R]; top_k (0 = off), top_p (1 = off), min_p (0 =
+    off) host lists, so no round trip decides which rows to filter. Ties at a threshold stay."""
     # assignment: sampler
     R, V = logits.shape
     dev = logits.device
@@ -140,8 +126,7 @@ def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float], mi
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs                      # the mass strictly before each
         p = torch.tensor([top_p[i] for i in p_rows], device=dev, dtype=probs.dtype)
-        # the top token always stays (clamp: a top_p below float32's smallest number, e.g.
-        # 1e-300, rounds to 0 above)
+        # clamp: the top token always stays (a top_p such as 1e-300 rounds to 0 in float32)
         n_keep = (before < p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)
         logits[rows] = sub.masked_fill(sub < sorted_logits.gather(1, n_keep - 1), float("-inf"))
     return logits.softmax(dim=-1)
@@ -173,11 +158,10 @@ class SampleRequest:
 
 
 def sample_tokens(logits, reqs: list[SampleRequest], also=()):
-    """Every sequence's new tokens: a sample, or the accepted drafts + one. Sequence s
-    owns logits rows row_s .. row_s + k_s (k_s drafts): plain sampling is verification
-    with k = 0, one code path for both. Returns per sequence, on the host after the
-    step's single wait: (tokens, raw-logit logprobs info or None, finite: bool). `also`:
-    a list of more device tensors (prompt logprobs) for that wait, replaced by their host lists."""
+    """Every sequence's new tokens: a sample, or the accepted drafts + one. Sequence s owns
+    logits rows row_s .. row_s + k_s (k_s drafts): plain sampling is verification with k = 0.
+    Returns per sequence, on the host after the step's one wait: (tokens, raw-logit logprobs
+    or None, finite). `also`: more device tensors for that wait, replaced by host lists."""
     S, K = len(reqs), max(len(r.drafts) for r in reqs)        # sequences, most drafts
     dev = logits.device
     n = np.array([len(r.drafts) for r in reqs])
@@ -204,10 +188,8 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
         tokens[sel], n_acc[sel] = toks, acc
     finite = torch.isfinite(best[idx]).all(dim=1)
     want_lp = [s for s, r in enumerate(reqs) if r.params.logprobs is not None]
-    lp = []
-    if want_lp:
-        top = max(reqs[s].params.logprobs for s in want_lp)
-        lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], top)
+    top = max((reqs[s].params.logprobs for s in want_lp), default=0)
+    lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], top) if want_lp else []
     host = fetch(torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1), *lp, *also)
     if also:
         also[:] = host[len(host) - len(also):]
@@ -249,10 +231,9 @@ def _sample_rows(logits, reqs, ridx, d, n):
 
 def penalize(logits, reqs: list[SampleRequest], ridx):
     """logits with the rows ridx [S, K+1] of S sequences penalized (vLLM's rule): a token seen in
-    the prompt or the output has its logit divided by repetition_penalty if > 0, else multiplied
-    by it; then logit -= presence * (count > 0) + frequency * count, counting OUTPUT tokens. Row
-    j of a verification also counts drafts 0..j-1: each position sees its own history, so
-    verifying stays exact."""
+    the prompt or output has its logit divided by repetition_penalty if > 0, else multiplied by it;
+    then logit -= presence * (count > 0) + frequency * count, counting OUTPUT tokens. Verification
+    row j also counts drafts 0..j-1: each position sees its own history, so verifying is exact."""
     (S, K1), V = ridx.shape, logits.shape[1]
     dev = logits.device
 
@@ -287,17 +268,16 @@ def _logprobs(logits, ridx, tokens, top: int):
 
 
 def prompt_logprobs(logits, next_tokens: list[int], top: int) -> list:
-    """The same for prompt positions (prompt_logprobs), in float32: the LAST len(next_tokens)
-    logits rows, each scored against the prompt token after it. Only [R] + 2 x [R, top] stay
-    on the device for the step's one wait (the [R, V] rows die here)."""
+    """The same, in float32, for the LAST len(next_tokens) logits rows, each scored against the
+    prompt token after it: only [R] + 2 x [R, top] wait for the fetch (the [R, V] rows die)."""
     nxt = torch.as_tensor(next_tokens).to(logits.device, non_blocking=True)   # a copy up, no wait
     rows = logits[-len(next_tokens):].float()
     return _logprobs(rows, np.arange(len(next_tokens)), nxt, top)
 
 
 def fetch(*tensors) -> list:
-    """Device -> host lists with ONE wait: the step's only synchronization."""
-    # CPU: the tensors themselves; CUDA: copies queued into pinned memory, then one wait for all
+    """Device -> host lists with ONE wait (copies queued, then one synchronize): the step's only
+    synchronization."""
     host = [t.to("cpu", non_blocking=True) for t in tensors]
     if tensors and tensors[0].is_cuda:
         torch.cuda.current_stream(tensors[0].device).synchronize()  # pragma: no cover (CUDA)
@@ -306,9 +286,8 @@ def fetch(*tensors) -> list:
 
 # --- Fault isolation: the whole batch at once, else each request alone -------
 def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
-    """run(asks) -> one result per (sequence, ask), for the whole batch. If it raises, no
-    single request is known to be the cause: run each alone, and fail(request, message)
-    only those whose own run raises (their result: `skipped`)."""
+    """run(asks) -> one result per (sequence, ask), for the whole batch. If it raises, the cause is
+    unknown: run each alone, and fail(request, message) those whose own run raises (`skipped`)."""
     try:
         return run(asks) if asks else []
     except Exception:
@@ -323,13 +302,11 @@ def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
 
 
 def sample_isolated(logits, asks, fail, also=()):
-    """sample_tokens via batch_then_each: the noise depends only on the request, so alone =
-    batched. `also` rides the whole batch's wait; fetched on its own only if no batch reached
-    one (no asks: a step of prompt chunks only; or the batch raised)."""
+    """sample_tokens via batch_then_each: the noise depends only on the request, so alone = batched.
+    `also` rides the whole batch's wait, else (no asks, or the batch raised) is fetched alone."""
     def run(part):
         return sample_tokens(logits, [a for _, a in part], also if part is asks else ())
-    # a skipped result: the engine skips it too, as its request failed
-    new = batch_then_each(run, asks, fail, "sampling", ([], None, True))
+    new = batch_then_each(run, asks, fail, "sampling", ([], None, True))   # skipped: it failed
     if also and torch.is_tensor(also[0]):
         also[:] = fetch(*also)
     return new
@@ -337,8 +314,7 @@ def sample_isolated(logits, asks, fail, also=()):
 
 def draft_sampler(asks):
     """The draft model samples with each request's params (not min-p or penalties: any draft p
-    keeps verification exact) and noise (stream DRAFT); greedy requests take its argmax, as
-    one-hot probabilities."""
+    keeps verification exact) and noise (stream DRAFT); greedy requests take its argmax, one-hot."""
     seqs = [seq for seq, _ in asks]
 
     def draft_sample(logits, idx, step):   # logits [R, V] of the requests idx, at draft step `step`
@@ -356,12 +332,10 @@ def draft_sampler(asks):
 
 # --- Stop strings, matched as the text streams -------------------------------
 class StopStrings:
-    """Knuth-Morris-Pratt over the streaming text: O(new characters) per step.
-    state[j]: how many leading characters of stop string j the text now ends with. A new
-    character extends that match or falls back along j's failure table (the longest proper
-    prefix that is also a suffix). The largest state is how much trailing text a stream
-    must hold back: it may still become a stop string.
-    """
+    """Knuth-Morris-Pratt over the streaming text: O(new characters) per step. state[j]: how
+    many leading characters of stop string j the text now ends with. A new character extends
+    that match or falls back along j's failure table (the longest proper prefix that is also
+    a suffix). The largest state is the trailing text that may still become a stop string."""
 
     def __init__(self, stops: list[str]):
         self.stops, self.state = stops, [0] * len(stops)

@@ -1,25 +1,22 @@
 """
 scheduler.py -- continuous batching: which sequences run this step, and how many tokens each.
 
-The lesson: decode is memory-bound. Each step reads every weight once, so a
-decode matmul over B sequences does 2*B FLOPs per weight read (arithmetic
-intensity ~ B): batching is the most important serving optimization. But
-requests arrive at different times and want different lengths; "static"
-batching (run a group to completion, then the next) leaves seats empty while
-the longest one finishes. Continuous batching schedules ONE step at a time:
+The lesson: decode is memory-bound. Each step reads every weight once, so a decode matmul over
+B sequences does 2*B FLOPs per weight read (arithmetic intensity ~ B): batching is the most
+important serving optimization. But requests arrive at different times and want different
+lengths; "static" batching (run a group to completion, then the next) leaves seats empty
+while the longest one finishes. Continuous batching schedules ONE step at a time:
 
     every step:  finished sequences leave, waiting ones join at once,
                  and the tokens of all running sequences form one flat batch.
 
-Selective batching makes that possible: the MLPs and norms work on a flat
-[N, D] tensor whatever sequence each token belongs to; only attention is
-per sequence, over its own paged KV cache (cache.py, kernels.py).
+Selective batching makes that possible: the MLPs and norms work on a flat [N, D] tensor
+whatever sequence each token belongs to; only attention is per sequence, over its own paged
+KV cache (cache.py, kernels.py).
 
-Place in the data flow: step 1 of LLM.step (engine.py, the lesson that
-assembles the others): Scheduler.schedule() picks the step's work, reserving
-each sequence's KV blocks; the engine runs the model over it, samples, and
-hands finished sequences back through Scheduler.finish. This file knows
-sequences and blocks only: no model, no sampler.
+Place in the data flow: step 1 of LLM.step (engine.py): schedule() picks the step's work,
+reserving each sequence's KV blocks; the engine runs the model, samples, and hands finished
+sequences back through finish(). No model, no sampler here: sequences and blocks only.
 """
 from __future__ import annotations
 
@@ -44,11 +41,8 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    """FCFS waiting queue + running list, one token budget per step. A step takes
-    (1) 1 token (1 + drafts) of every decoding sequence, (2) the next chunk of every
-    prefilling one, (3) waiting sequences, oldest first, while seats, budget and free
-    blocks last. When the pool runs short, the NEWEST running sequence gives its
-    blocks back, so the oldest always finishes."""
+    """FCFS waiting queue + running list, one token budget per step (_schedule_once). When the
+    pool runs short, the NEWEST running sequence gives its blocks back: the oldest finishes."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.bm = block_manager
@@ -76,8 +70,7 @@ class Scheduler:
         for hook in self.release_hooks:
             hook(seq)
         seq.num_computed = 0                 # its tokens stay; their K/V are recomputed
-        seq.status = WAITING
-        seq.draft_tokens = []
+        seq.status, seq.draft_tokens = WAITING, []
         seq.request.metrics.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -156,9 +149,8 @@ class Scheduler:
         # end assignment
 
     def fork(self, seq: Sequence, num_computed: int, tokenizer) -> list[Sequence]:
-        """n > 1: when the prompt is done, add n - 1 sequences sharing its blocks. This runs
-        before the forward pass, after the parent's slots were reserved: the children share
-        what it fills."""
+        """n > 1: when the prompt is done, add n - 1 sequences sharing its blocks. Runs after the
+        parent's slots were reserved, before the forward pass: the children share what it fills."""
         req, children = seq.request, []
         while len(req.seqs) < req.params.n:
             child = Sequence(req, seq.token_ids, len(req.seqs), tokenizer)
@@ -181,8 +173,7 @@ class Scheduler:
         seq.status = FINISHED
 
 
-# `from scheduler import LLM, SamplingParams` (and make_kv_pool, EngineConfig): the engine
-# moved to engine.py, which imports this file; it is imported when first asked for.
+# `from scheduler import LLM, SamplingParams` (README, tests): engine.py's, imported when asked for
 def __getattr__(name: str):
     if name in ("LLM", "EngineConfig", "SamplingParams", "make_kv_pool"):
         import engine

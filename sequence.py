@@ -1,26 +1,21 @@
 """
 sequence.py -- a request's life: what the engine tracks for each prompt.
 
-The lesson: the engine does not batch requests, it batches SEQUENCES, and a
-sequence is little more than a growing list of token ids plus one number:
+The lesson: the engine batches SEQUENCES, not requests, and a sequence is little more than a
+growing list of token ids plus one number:
 
     token_ids     = prompt + generated so far
     num_computed  = how many of them already have K and V in the cache
 
-Each step feeds token_ids[num_computed:] -- a chunk of the prompt (prefill),
-or the one token sampled last step (decode) -- and, once the cache holds
-them all, samples the next token. Preemption (scheduler.py) just sets
-num_computed back to 0: the tokens survive, their cache is recomputed.
+Each step feeds token_ids[num_computed:] (a prompt chunk: prefill; last step's token: decode)
+and, once the cache holds them all, samples the next token. Preemption (scheduler.py) just sets
+num_computed back to 0: the tokens survive, their cache is recomputed. Text goes out as it is
+made (a character can span tokens: tokenizer.IncrementalDecoder), minus what may still become a
+stop string (sampler.StopStrings). n > 1 samples are n sequences sharing the prompt's KV blocks.
 
-Text goes out as it is made: token ids become text incrementally (a
-character can span tokens: tokenizer.IncrementalDecoder), and text that might
-still become a stop string is held back (sampler.StopStrings). A request with
-n > 1 samples is n sequences sharing the prompt's KV blocks (cache.py).
-
-Place in the data flow: LLM.add_request makes a Request and its first
-Sequence, the Scheduler moves sequences between waiting and running, and
-LLM.step (engine.py) appends each sampled token here (step 4) and reports
-RequestOutputs.
+Place in the data flow: LLM.add_request makes a Request and its first Sequence, the Scheduler
+moves sequences between waiting and running, and LLM.step (engine.py) appends each sampled
+token here (step 4) and reports RequestOutputs.
 """
 from __future__ import annotations
 
@@ -61,16 +56,14 @@ class Sequence:
         self._reported = (0, 0)                  # (tokens, pieces) already in an output
 
     num_output = property(lambda self: len(self.token_ids) - self.num_prompt)
-    # the known tokens not yet in the cache: fed next step
-    remaining = property(lambda self: len(self.token_ids) - self.num_computed)
+    remaining = property(lambda self: len(self.token_ids) - self.num_computed)   # fed next step
 
     def add_text(self, delta: str) -> bool:
         """Stream decoded text through the stop strings; what can no longer change goes to
-        self.pieces. True if a stop string completed (the text is cut just before it)."""
+        self.pieces, the tail that may still become one waits. True if a stop string completed
+        (the text is cut just before it)."""
         text = self.pending + delta
         hit = self.stops.feed(delta) if self.stops else None
-        # A completed stop string ends the text just before it; otherwise keep back
-        # only the tail that could still become one (StopStrings.partial characters).
         if hit is not None:
             end, length = hit
             cut = len(self.pending) + end - length
@@ -88,8 +81,7 @@ class Sequence:
         if self.logprobs is not None:
             self.logprobs.append(logprob)
         p = self.params
-        # Checked token by token, so a speculative step that accepted several
-        # tokens stops exactly where plain decoding would have.
+        # token by token: a speculative step stops exactly where plain decoding would have
         hit = self.add_text(self.decoder.push(token))                    # a stop string completed
         if hit or (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
@@ -105,9 +97,8 @@ class Sequence:
         return reason
 
     def snapshot(self) -> Completion:
-        """This sequence as a Completion, with what changed since the last one."""
-        # Only the tokens and text pieces since the last report: a stream sends
-        # exactly these, and a step costs O(new tokens), not O(text so far).
+        """This sequence as a Completion, with the tokens and text pieces since the last one (what
+        a stream sends): a step costs O(new tokens), not O(text so far)."""
         t0, p0 = self._reported
         n, p = self.num_output, len(self.pieces)
         self._reported = (n, p)
@@ -130,9 +121,8 @@ class Request:
         self.seqs: list[Sequence] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_ids))
         self.error: str | None = None
-        # prompt_logprobs: entry i = (logprob of prompt[i] given prompt[:i], {id: logprob}),
-        # filled as the prefill chunks are computed; the first num_scored are known (entry 0:
-        # nothing conditions it)
+        # entry i: (logprob of prompt[i] given prompt[:i], {id: logprob}), filled as prefill
+        # chunks are computed; the first num_scored are known (entry 0: nothing conditions it)
         self.prompt_logprobs = None if params.prompt_logprobs is None else [None] * len(prompt_ids)
         self.num_scored = 1 if self.prompt_logprobs else len(prompt_ids)
 
@@ -147,9 +137,8 @@ class Request:
 
 
 # --- What the engine reports -------------------------------------------------
-# What serving is judged by, stamped as a request moves through the engine:
-# time to first token = queueing + prefill; the time per output token after
-# it is what decoding costs; cached tokens and preemptions say why.
+# What serving is judged by, stamped as a request moves: time to first token = queueing +
+# prefill; each output token after it costs a decode step; cached tokens and preemptions say why.
 @dataclass
 class RequestMetrics:
     arrival_time: float
@@ -171,17 +160,15 @@ class RequestMetrics:
 
 
 class Completion:
-    """One sample of a request, as of the step that reported it. new_text /
-    new_token_ids / new_logprobs: what this step added (a stream sends exactly
-    these; all new_text joined is the final text). text / token_ids / logprobs:
-    everything so far, read lazily: token ids and text pieces only grow, so a
-    snapshot is just their lengths then, O(new tokens) per step."""
+    """One sample of a request, as of the step that reported it. new_*: what this step added (all
+    new_text joined is the final text). text / token_ids / logprobs: everything so far, read
+    lazily: token ids and text pieces only grow, so a snapshot is just their lengths then."""
 
     def __init__(self, seq: Sequence, new_text: str, new_token_ids: list, new_logprobs):
         self._seq = seq
         self.index = seq.index
         self.finish_reason = seq.finish_reason
-        self._tokens = len(seq.token_ids) - seq.num_prompt     # the lengths now: a snapshot
+        self._tokens = seq.num_output
         self._pieces = len(seq.pieces)
         self.new_text = new_text
         self.new_token_ids = new_token_ids
@@ -204,8 +191,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None        # why the request failed (finish_reason "error")
-    # per prompt token, as logprobs (entry 0: None); once all of them are known
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list | None = None     # per prompt token (entry 0: None), once all known
 
     # The common case (n == 1) reads like one completion: outs[i].text
     text = property(lambda self: self.outputs[0].text)

@@ -1,27 +1,26 @@
 """
 speculative.py -- draft, verify, and exact rejection sampling.
 
-The lesson: a decode step is memory-bound, so feeding the target model k+1 tokens costs
-about as much as feeding it 1 (the weights are read once either way). If a cheap drafter
-guesses the next k tokens, the target checks them all in ONE pass, like a short prefill,
-and keeps the longest prefix it agrees with: every pass yields 1 to k+1 tokens.
+The lesson: a decode step is memory-bound, so feeding the target model k+1 tokens costs about
+as much as feeding it 1 (the weights are read once either way). If a cheap drafter guesses the
+next k tokens, the target checks them all in ONE pass, like a short prefill, and keeps the
+longest prefix it agrees with: every pass yields 1 to k+1 tokens.
 
 The rule that keeps the target's distribution EXACTLY (Leviathan et al. 2023, Chen et al.
 2023), with target probabilities q and draft probabilities p:
     accept draft token x with probability min(1, q(x) / p(x));
-    at the first rejection, sample a replacement from normalize(max(q - p, 0))
-    and stop; if all k are accepted, sample a bonus token from q at k+1.
+    at the first rejection, sample a replacement from normalize(max(q - p, 0)) and stop;
+    if all k are accepted, sample a bonus token from q at k+1.
 (Why: P(output = x) = p(x) min(1, q/p) + P(reject) * residual(x) = q(x).)
-Greedy decoding is the special case where q and p are one-hot: accept while the draft
-equals the target's argmax, then emit the argmax. With an acceptance rate a per token, a
-pass yields (1 - a^(k+1)) / (1 - a) tokens on average; if a draft token costs r target
-passes, the expected speedup is (k*a + 1) / (1 + k*r) in the lecture's simplified form.
+Greedy decoding is the special case of one-hot q and p: accept while the draft is the target's
+argmax, then emit the argmax. With an acceptance rate a per token, a pass yields
+(1 - a^(k+1)) / (1 - a) tokens on average; if a draft token costs r target passes, the expected
+speedup is (k*a + 1) / (1 + k*r) in the lecture's simplified form.
 
-Place in the data flow: LLM.step() (engine.py; engine.Speculation is the engine's
-side) asks a drafter for up to k tokens per decoding sequence, runs the target once over
-1 + k query tokens each, verifies all k+1 rows at once (rejection_sample_batched, via
-sampler.py) and truncates the KV caches past the accepted tokens. This file knows only
-token lists, tensors, and a draft model's paged cache.
+Place in the data flow: LLM.step() (engine.py, engine.Speculation) asks a drafter for up to k
+tokens per decoding sequence, runs the target once over each one's 1 + k tokens, verifies all
+k+1 rows at once (rejection_sample_batched, via sampler.py) and truncates the KV caches past
+the accepted tokens.
 """
 from __future__ import annotations
 
@@ -38,10 +37,9 @@ MAX_SPECULATIVE_TOKENS = 16
 
 # --- The rejection rule ------------------------------------------------------
 def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) -> list[int]:
-    """Accept a prefix of the draft and add one token of the target's own: target_probs
-    [k+1, V], draft_probs [k, V], draft_tokens [k] -> 1..k+1 tokens. The readable
-    one-sequence rule (the engine runs rejection_sample_batched; the tests hold it to this
-    one): k uniforms for the acceptance tests, then one multinomial, from `generator`."""
+    """Accept a prefix of the draft and add one token of the target's own: target_probs [k+1, V],
+    draft_probs [k, V], draft_tokens [k] -> 1..k+1 tokens; k uniforms, then one multinomial, from
+    `generator`. The readable one-sequence rule: the tests hold rejection_sample_batched to it."""
     # assignment: rejection-sampling
     k = len(draft_tokens)
     u = torch.rand(k, generator=generator, device=target_probs.device)
@@ -61,14 +59,11 @@ def rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) ->
 
 
 def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts, accept_u):
-    """The same rule for B sequences at once; sequence b has num_drafts[b] drafts:
-    target_probs [B, K+1, V]; draft_probs [B, K, V], or None for a deterministic drafter
-    (n-gram: p is one-hot); draft_tokens [B, K], accept_u [B, K] uniforms (padded);
-    num_drafts [B] tensor. Returns (num_accepted [B], final [B, V]): the accepted prefix
-    length and the unnormalized distribution of the extra token, max(q - p, 0) at the
-    first rejection or else the target's next row (the bonus), which the caller draws
-    with its counter-based noise. K = 0 is plain sampling: final = target_probs[:, 0].
-    """
+    """The same rule for B sequences, sequence b with num_drafts[b] (a [B] tensor) drafts:
+    target_probs [B, K+1, V]; draft_probs [B, K, V], or None for a deterministic drafter (n-gram:
+    p one-hot); draft_tokens, accept_u (uniforms) [B, K], padded. Returns num_accepted [B] and
+    final [B, V], the unnormalized distribution of the extra token (max(q - p, 0) at the first
+    rejection, else the bonus row q), which the caller draws with its counter-based noise."""
     B, K = target_probs.shape[0], target_probs.shape[1] - 1            # sequences, drafts
     dev = target_probs.device
     if not K:                                                     # plain sampling: q itself
@@ -94,7 +89,7 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
     # end assignment
 
 
-# --- Drafters: propose(requests) -> [(draft tokens, draft probs or None)] ----
+# --- Drafters: propose([(seq_id, token_ids, k)]) -> [(draft tokens, draft probs or None)]
 class NgramDrafter:
     """Prompt lookup: if the last n tokens occurred earlier in this sequence, guess that what
     followed them then follows them now. No model; drafts are deterministic (p one-hot).
@@ -117,7 +112,6 @@ class NgramDrafter:
         # end assignment
 
     def propose(self, requests, sample_fn=None):
-        """requests: (seq_id, token_ids, k) -> [(tokens, None)]."""
         return [(self.propose_one(tokens, k), None) for _, tokens, k in requests]
 
     def rollback(self, seq_id, num_tokens=None):
@@ -127,11 +121,10 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """A smaller model with the same tokenizer drafts k tokens autoregressively. It keeps
-    its own paged KV cache (its own BlockManager over the same sequence ids), so each draft
-    step feeds only new tokens, through the engine's vectorized graphs.StepInputs
-    (make_inputs(block_manager)). After the target verifies, rollback() truncates the
-    draft cache to the surviving tokens, as the engine truncates the target's."""
+    """A smaller model with the same tokenizer drafts k tokens autoregressively in its own paged
+    KV cache (its own BlockManager over the same sequence ids, fed by make_inputs(bm), the
+    engine's graphs.StepInputs), so each draft step feeds only new tokens. rollback() truncates
+    it to the tokens the target kept."""
 
     def __init__(self, model, num_blocks: int, block_size: int, device, dtype, make_inputs):
         self.model, self.device = model, device
@@ -142,8 +135,8 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(self, requests, sample_fn):
-        """requests: (seq_id, token_ids, k) -> [(tokens, probs [len(tokens), V])]; sample_fn(logits
-        [R, V], request indices, step) -> (tokens [R], probs [R, V]), with each one's params."""
+        """-> [(tokens, probs [len(tokens), V])]; sample_fn(logits [R, V], request indices, step)
+        -> (tokens [R], probs [R, V]), with each one's params."""
         out = [([], []) for _ in requests]
         # Step 0 feeds what the draft cache lacks (usually 1-2 tokens); then the last draft.
         feed = {i: tokens[self.computed.get(sid, 0):]
@@ -170,7 +163,6 @@ class ModelDrafter:
             for j, i in enumerate(active):
                 out[i][0].append(int(tokens[j]))
                 out[i][1].append(probs[j])
-            # next: the new draft
             feed = {i: [out[i][0][-1]] for i in active if step + 1 < requests[i][2]}
         return [(t, torch.stack(p) if p else None) for t, p in out]
 
@@ -186,16 +178,14 @@ class ModelDrafter:
             self.bm.free(seq_id)
 
 
-# --- Building a drafter for the engine ---------------------------------------
 def make_drafter(c, target, tokenizer, pool_blocks: int, make_inputs):
-    """The drafter of engine options `c` (engine.EngineConfig, already checked): c.speculative is
-    None (no drafter), "ngram", or a draft model directory whose model shares the target's
-    vocabulary; it gets a paged cache of pool_blocks blocks, on the target's device and dtype."""
+    """The drafter of engine options `c` (engine.EngineConfig, checked): c.speculative is None,
+    "ngram", or the directory of a draft model sharing the target's vocabulary (its paged cache:
+    pool_blocks blocks, on the target's device and dtype)."""
     if c.speculative is None:
         return None
     if c.speculative == "ngram":           # prompt lookup: no model, drafts from the text itself
         return NgramDrafter()
-    # a smaller model with the same tokenizer
     draft, cfg = load_model(c.speculative, device=c.device, dtype=c.dtype)
     draft_tokenizer = Tokenizer.from_pretrained(c.speculative)
     checks.check_same_vocabulary(c.speculative, cfg, draft_tokenizer, target, tokenizer)

@@ -2,20 +2,17 @@
 tokenizer.py -- byte-level BPE through tiktoken.
 
 The lesson: text enters the model as integers. A byte-level BPE tokenizer
-  1. splits the text into "words" with a regex (the pre-tokenizer), so that
-     merges never cross word, digit or whitespace boundaries;
+  1. splits the text into "words" with a regex (the pre-tokenizer), so that merges never
+     cross word, digit or whitespace boundaries;
   2. turns each word into its UTF-8 bytes, one token per byte;
-  3. repeatedly merges the adjacent pair whose merged bytes have the lowest
-     rank (the order the merges were learned in) until no merge applies.
-Decoding is just concatenating each token's bytes and decoding UTF-8.
+  3. repeatedly merges the adjacent pair whose merged bytes have the lowest rank (the order
+     the merges were learned in) until no merge applies.
+Decoding concatenates each token's bytes and decodes UTF-8. tiktoken does steps 1-3 in Rust,
+given the vocabulary (bytes -> rank) and the regex of a Hugging Face `tokenizer.json`.
 
-Place in the data flow: `encode` turns a prompt into the token ids a
-`Sequence` starts from; `IncrementalDecoder` turns the sampled ids back into
-text as they arrive (streaming), never emitting half a UTF-8 character;
-`apply_chat_template` wraps chat messages into the instruct model's prompt format.
-
-tiktoken does steps 1-3 in Rust; we hand it the vocabulary (bytes -> rank) and
-the regex, read from a Hugging Face `tokenizer.json` by support/checkpoint.py.
+Place in the data flow: `encode` turns a prompt into the token ids a `Sequence` starts from;
+`IncrementalDecoder` turns the sampled ids back into text as they arrive, never emitting half
+a UTF-8 character; `apply_chat_template` wraps chat messages in the instruct model's format.
 This file imports no other file of the tour.
 """
 from __future__ import annotations
@@ -28,17 +25,14 @@ import tiktoken
 
 from support import bytelevel, checkpoint, checks
 
-# GPT-2's pre-tokenizer regex: contractions, words with an optional leading
-# space, numbers, punctuation runs, and whitespace (a run keeps its last
-# space for the next word: "  hi" -> " ", " hi").
+# GPT-2's pre-tokenizer regex: contractions, words with an optional leading space, numbers,
+# punctuation runs, whitespace (a run keeps its last space for the next word: "  hi" -> " ", " hi")
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# SmolLM2 splits every digit on its own BEFORE the GPT-2 regex. Folded into one regex: a single
-# \p{N} comes first, and as digits are already cut out, whitespace before a digit keeps all
-# its spaces.
+# SmolLM2 splits every digit on its own BEFORE the GPT-2 regex. Folded into one: a single \p{N}
+# comes first, and whitespace before a digit (already cut out) keeps all its spaces.
 DIGITS_THEN_GPT2_PATTERN = (r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+"
                             r"|\s+(?![^\s\p{N}])|\s+")
-# What an id beyond the vocabulary decodes to: U+FFFD, as invalid UTF-8 does. One character
-# per unknown id, so the length still counts tokens, and every consumer handles it already.
+# An id beyond the vocabulary decodes to U+FFFD, as invalid UTF-8 does: one character per id.
 PLACEHOLDER = "\ufffd"
 
 
@@ -48,18 +42,16 @@ class Tokenizer:
     def __init__(self, vocab: dict[str, int], specials: dict[str, int], pattern: str,
                  eos_token: str | None = None, bos_token: str | None = None,
                  chat_template: str | None = None):
-        # tokenizer.json writes each byte as a printable character (GPT-2's bytes_to_unicode: a
-        # space is 'Ġ'); support/bytelevel.py gives the tokens back as bytes, which BPE merges.
+        # tokenizer.json writes each byte as a printable character (a space is 'Ġ': GPT-2's
+        # bytes_to_unicode); support/bytelevel.py gives the tokens back as bytes. rank = id:
+        # Hugging Face byte-level vocabularies number their ids in the merges' learned order.
         ranks = bytelevel.byte_ranks(vocab, specials)
-        # tiktoken merges the pair whose concatenation has the lowest rank: the merges' learned
-        # order, which Hugging Face byte-level vocabularies number their ids in, so rank = id.
         self.vocab_size = max([*vocab.values(), *specials.values()]) + 1
         self.ranks, self.pattern = ranks, pattern
         self.enc = tiktoken.Encoding("nanoinfer", pat_str=pattern, mergeable_ranks=ranks,
                                      special_tokens=specials)
-        # Some bytes have no token (SmolLM2 lacks 21, e.g. 0x04 and the UTF-8 lead byte 0xF1);
-        # tiktoken panics on them, so such text takes encode()'s slow path, which drops them
-        # before merging, as the reference tokenizer does.
+        # Some bytes have no token (SmolLM2 lacks 21, e.g. 0x04 and 0xF1); tiktoken panics on
+        # them, so encode()'s slow path drops them before merging, as the reference does.
         self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
         self.specials = specials
         self.id_to_special = {i: s for s, i in specials.items()}
@@ -72,8 +64,7 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str) -> "Tokenizer":
-        """Read tokenizer.json (+ tokenizer_config.json) of a checkpoint directory
-        (support/checkpoint.py)."""
+        """Read a checkpoint directory's tokenizer.json (+ tokenizer_config.json)."""
         return cls(**checkpoint.read_tokenizer_files(path, GPT2_PATTERN, DIGITS_THEN_GPT2_PATTERN))
 
     # -- the lesson: BPE, one piece at a time ---------------------------------
@@ -105,9 +96,7 @@ class Tokenizer:
                                    disallowed_special=())
         # Slow path in Python: split off specials, regex-split, drop missing bytes, merge with BPE.
         ids = []
-        specials = None
-        if allow_special and self.specials:
-            specials = "|".join(map(re.escape, self.specials))
+        specials = "|".join(map(re.escape, self.specials)) if allow_special else ""
         for i, chunk in enumerate(re.split(f"({specials})", text) if specials else [text]):
             if i % 2:                                  # a captured special token
                 ids.append(self.specials[chunk])
@@ -118,9 +107,8 @@ class Tokenizer:
         return ids
 
     def token_bytes(self, token_id: int) -> bytes:
-        """One token's bytes; an id this vocabulary lacks gives PLACEHOLDER's bytes (a legal
-        output: a "random:" Llama 3 preset samples 128256 ids, read with a 49152-token
-        tokenizer). Negative ids are a bug: ValueError."""
+        """One token's bytes; PLACEHOLDER's for an id beyond the vocabulary (legal: a "random:"
+        Llama 3 preset samples 128256 ids, read with a 49152-token tokenizer); ValueError if < 0."""
         if token_id < 0:
             raise ValueError(f"token ids are non-negative, got {token_id}")
         try:
@@ -140,7 +128,6 @@ class Tokenizer:
         return data.decode("utf-8", errors="replace")
 
     # -- chat -----------------------------------------------------------------
-
     def _chat_parts(self, messages, add_generation_prompt):
         """ChatML as (text, is_special) pieces:
         <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n"""
@@ -157,9 +144,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False):
-        """Messages -> prompt string (encode it with allow_special=True), or token ids with
-        tokenize=True: each content then encoded as plain text, so special-token strings
-        inside a message cannot act as control tokens."""
+        """Messages -> prompt string (encode it with allow_special=True), or with tokenize=True
+        token ids, each content encoded as plain text: it cannot inject control tokens."""
         parts = self._chat_parts(messages, add_generation_prompt)
         if not tokenize:
             return "".join(text for text, _ in parts)
@@ -170,12 +156,9 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Streaming detokenization: feed token ids one by one, get the new text.
-
-    A token may end in the middle of a multi-byte UTF-8 character (emoji are
-    often split over 2-4 byte tokens). Python's incremental UTF-8 decoder holds
-    back an incomplete tail until the next bytes complete it, so everything
-    returned, concatenated, equals decode(all ids)."""
+    """Streaming detokenization: feed token ids one by one, get the new text. A token may end
+    inside a multi-byte UTF-8 character (emoji often span 2-4 tokens): Python's incremental
+    decoder holds such a tail back, so all the text returned equals decode(all ids)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tok, self.skip = tokenizer, skip_special_tokens

@@ -7,8 +7,9 @@ point per group); LLM.int8() keeps int8 weights but also rounds the activations 
 aside), AWQ is int4 with activation-aware scales. The rows: float, fp8, int8, llm.int8, int4, awq
 (on a CPU also an int8 KV cache). Baseline: the float engine (the run's dtype; on a CPU bf16 too, the fair
 question there being what a format adds over bf16 activations), timed in the same run. Bytes are
-given as a factor of the same weights in bf16 and in float32. On a GPU every row is compiled: the
-conversion then happens in registers inside the matmul (quantize.py), so the bytes show as time;
+given as a factor of the same weights in bf16 and in float32. On a GPU every row but llm.int8 (its
+outlier columns change per call: no CUDA graph) is compiled, and int8 and int4 run kernels that read
+their small bytes (Triton's int8 product, torch's int4 tinygemm), so the bytes show as time;
 eagerly on a CPU each format's dequantized copy costs more than it saves. Perplexity is a quality
 figure: on the default model's trained weights (the same settings), never random ones, on the
 shipped evaluation text (AWQ calibrates on another shipped text, support/calibration_text.txt).

@@ -340,3 +340,18 @@ def check_same_vocabulary(path, draft_config, draft_tokenizer, target_config,
         raise ValueError(f"the draft model at {path} has a different vocabulary "
                          f"({draft_config.vocab_size} tokens) than the target "
                          f"({target_config.vocab_size})")
+
+
+def say_pool(cfg, usable: int, block_size: int, per_token: int, int8: bool, dtype, total: int):
+    """The KV pool's one line: its tokens and the lecture's bytes-per-token formula."""
+    value = f"(1 B + 4/{cfg.head_dim} B of scale)" if int8 else f"{dtype.itemsize} B"
+    print(f"nanoinfer: KV cache {usable} blocks x {block_size} tokens = {usable * block_size} "
+          f"tokens; {per_token} B/token = 2*{cfg.n_layers} layers*{cfg.n_kv_heads} kv heads*"
+          f"{cfg.head_dim} dims*{value}; {total / 2**20:.1f} MiB allocated")
+
+
+def say_random_weights(path, seed) -> None:
+    """A random: preset says so once, where its engine is built."""
+    if seed is not None:
+        print(f"nanoinfer: {path}: RANDOM weights (published shapes, seed {seed}): timings "
+              "are real, the text is noise")

@@ -27,7 +27,7 @@ which one and why, and stopping them all. What it protects, and why:
 
 Imports nothing of the tour: parallel.TensorParallelGroup subclasses
 WorkerGroup and hands in its load and loop functions (load_shard,
-_worker_loop) and its entry code. Also here, because bench.py needs it and a
+_worker_loop), which a worker imports by name. Also here, because bench.py needs it and a
 student does not: the counting and timing of the collectives.
 """
 from __future__ import annotations
@@ -176,6 +176,7 @@ def serve_worker(load, loop):
         model = load(spec.path, rank, spec.world_size, device, spec.dtype, spec.quantization)
         store.set(f"ready/{rank}", "ok")
         loop(model, device, spec.dtype, init_groups(spec, rank, store))
+        dist.destroy_process_group()
     except BaseException:
         try:                                       # relay the traceback; rank 0 quotes it
             store.set(f"error/{rank}", traceback.format_exc())
@@ -184,10 +185,13 @@ def serve_worker(load, loop):
         raise
 
 
-def worker_command(entry: str) -> list[str]:
-    """`python -c ...`: restore the parent's sys.path (as multiprocessing's spawn
-    does, so functions of any module the parent imported unpickle here), then run entry."""
+def worker_command(load, loop) -> list[str]:
+    """`python -c ...` (so a user's script needs no __main__ guard): restore the parent's
+    sys.path (as multiprocessing's spawn does, so functions of any module the parent imported
+    unpickle here), then serve_worker(load, loop), both imported by name from their module."""
     restore = f"import json, os, sys; sys.path[:] = json.loads(os.environ[{SYS_PATH_ENV!r}]); "
+    entry = (f"import support.workers, {load.__module__} as m, {loop.__module__} as n; "
+             f"support.workers.serve_worker(m.{load.__name__}, n.{loop.__name__})")
     return [sys.executable, "-c", restore + entry]
 
 
@@ -209,7 +213,7 @@ class WorkerGroup:
     .procs (subprocess.Popen, rank 1.. in order), .closed, .broken (None or why).
     """
 
-    def __init__(self, spec: WorkerSpec, load, loop, entry: str, startup_timeout_s: float):
+    def __init__(self, spec: WorkerSpec, load, loop, startup_timeout_s: float):
         self.spec, self.world_size, self.dtype = spec, spec.world_size, spec.dtype
         self.procs, self.store, self.commands = [], None, None
         self.closed, self.broken, self.owns_group = False, None, True
@@ -225,7 +229,7 @@ class WorkerGroup:
                                    timeout=timedelta(seconds=spec.collective_timeout_s))
         atexit.register(self.close)
         try:
-            self._start(entry)
+            self._start(load, loop)
             self.device = device_for(spec.device_type, 0)
             self.model = load(spec.path, 0, spec.world_size, self.device, spec.dtype,
                               spec.quantization)
@@ -235,14 +239,14 @@ class WorkerGroup:
             self.close()
             raise
 
-    def _start(self, entry: str):
+    def _start(self, load, loop):
         # '' (-c, stdin): the cwd
         sys_path = [str(p) or os.getcwd() for p in sys.path] + [TOUR_ROOT]
         env = {**os.environ, SPEC_ENV: self.spec.to_json(), SYS_PATH_ENV: json.dumps(sys_path),
                "WORLD_SIZE": str(self.spec.world_size), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(self.store.port)}
         for rank in range(1, self.spec.world_size):
-            self.procs.append(subprocess.Popen(worker_command(entry), stdin=subprocess.DEVNULL,
+            self.procs.append(subprocess.Popen(worker_command(load, loop), stdin=subprocess.DEVNULL,
                                                env={**env, "RANK": str(rank),
                                                     "LOCAL_RANK": str(rank)}))
 
@@ -260,6 +264,7 @@ class WorkerGroup:
         model = load(spec.path, rank, spec.world_size, self.device, spec.dtype, spec.quantization)
         if rank != 0:
             loop(model, self.device, spec.dtype, self.commands)
+            dist.destroy_process_group()
             raise SystemExit(0)            # this process existed to serve rank 0; rank 0 has closed
         atexit.register(self.close)
         return model

@@ -341,7 +341,7 @@ def test_int4_quantizer_and_packing_equal_an_independent_reference():
 @pytest.mark.needs("int4")
 def test_tinygemm_scales_give_the_dequantized_product():
     """On CUDA in bf16, Int4Linear decodes through torch's int4 kernel (tinygemm), whose weight is
-    (q - 8) * s + m: quantize.tinygemm_scales' m = (8 - zero) * s makes it ours. The kernel's CPU
+    (q - 8) * s + m: support.gpu.tinygemm_scales' m = (8 - zero) * s makes it ours. The kernel's CPU
     twin (same scales layout) equals x @ dequantized^T within bf16's rounding; m = zero * s does not."""
     import quantize
     if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
@@ -353,7 +353,8 @@ def test_tinygemm_scales_give_the_dequantized_product():
     ref = x.float() @ quantize.dequantize_int4(q, scale, zero).t()
     err = lambda sz: ((torch._weight_int4pack_mm_for_cpu(x, levels, 32, sz).float() - ref).norm()  # noqa: E731
                       / ref.norm()).item()
-    assert err(quantize.tinygemm_scales(scale, zero)) < 1e-2, "tinygemm's zero term is m = (8 - zero) * scale"
+    from support.gpu import tinygemm_scales
+    assert err(tinygemm_scales(scale, zero)) < 1e-2, "tinygemm's zero term is m = (8 - zero) * scale"
     wrong = torch.stack((scale.t().float(), (zero.float() * scale.float()).t()), -1).bfloat16().contiguous()
     assert err(wrong) > 0.1
 
