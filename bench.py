@@ -221,8 +221,8 @@ def failed(results: dict) -> bool:
     # Identity, not equality: an entry merged from an older run carries an equal-looking meta
     mine = [r for k, r in results.items()
             if k != "meta" and isinstance(r, dict) and r.get("meta") is meta]
-    return any("error" in r for r in mine) or any(c["verdict"] == check.FAIL for r in mine
-                                                  for c in r.get("checks", {}).values())
+    return any("error" in r or r.get("failed") for r in mine) or any(  # failed: a table's row
+        c["verdict"] == check.FAIL for r in mine for c in r.get("checks", {}).values())
 
 
 if __name__ == "__main__":

@@ -79,9 +79,11 @@ class EngineConfig:
     max_num_batched_tokens: int = option(2048, "tokens in one step at most (prefill chunks)", ge=1)
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of cached prefixes (cache.py)")
     quantization: str | None = option(None, "'int8', 'fp8', 'int4', 'awq' (int4 with AWQ "
-                                      "scales) weight-only or 'llm.int8' linears (quantize.py; "
-                                      "on a CPU, dtype 'auto' is then bfloat16)",
-                                      choices=(None, "int8", "fp8", "llm.int8", "int4", "awq"))
+                                      "scales) weight-only, or 'fp8-dynamic', 'llm.int8' (8-bit "
+                                      "activations too) linears (quantize.py; on a CPU, dtype "
+                                      "'auto' is then bfloat16)",
+                                      choices=(None, "int8", "fp8", "fp8-dynamic", "llm.int8",
+                                               "int4", "awq"))
     kv_cache_dtype: str | None = option(None, "int8: the KV pool stores int8 and a scale per "
                                         "token and head (quantize.py)", choices=(None, "int8"))
     compile: bool = option(False, "steps of <= k + 1 tokens per sequence through torch.compile, "

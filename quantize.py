@@ -9,7 +9,8 @@ the bytes per value halves the step. Four formats, each a drop-in nn.Linear:
         scale[o] = max_i |W[o, i]| / 127        q[o, i] = round(W[o, i] / scale[o])
         y[o]     = sum_i x[i] * W[o, i]  ~=  scale[o] * sum_i x[i] * q[o, i]
     (the scale factors out of the sum); each weight errs by <= scale / 2.
-  * fp8 e4m3 (Fp8Linear): per-row scales, float values (3 mantissa bits: a relative error).
+  * fp8 e4m3 (Fp8Linear): per-row scales, float values (3 mantissa bits: a relative error);
+    Fp8DynamicLinear rounds the activations to fp8 too, and multiplies fp8 by fp8.
   * int4 group-wise (Int4Linear): two weights per byte. 16 levels are too few for a whole
     row, so each GROUP of inputs has its own scale and zero point: ~0.13x float32's bytes.
   * LLM.int8() (LLMInt8Linear): int8 weights AND int8 activations, int8 x int8 -> int32.
@@ -22,9 +23,8 @@ channel i of W scaled up by s_i, x down by 1/s_i (folded into the RMSNorm or lin
 the same function in full precision), gives them more of the 16 levels; s = mean|x|^alpha.
 
 Embeddings stay in floating point (a lookup reads N rows); a tied LM head becomes a quantized
-copy. LLM(quantization=...) calls quantize_model() right after load_model();
-LLM(kv_cache_dtype="int8") makes an Int8KVCache. experiments/quantization.py measures each
-format's bytes, speed and perplexity.
+copy. LLM(quantization=...) calls quantize_model() after load_model(); LLM(kv_cache_dtype=
+"int8") makes an Int8KVCache. experiments/quantization.py measures bytes, speed, perplexity.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from cache import KVCache, store_rows
 from kernels import INT8_KERNEL_ROWS, int8_matmul
+from support import checks
 from support.gpu import tinygemm_layout, triton
 
 QMAX = 127   # symmetric: [-127, 127], so -q is always representable
@@ -147,6 +148,22 @@ class Fp8Linear(QuantLinear):
 
     def dequantized(self, dtype):
         return self.weight.to(dtype) * self.scale[:, None].to(dtype)
+
+
+class Fp8DynamicLinear(Fp8Linear):
+    """fp8 x fp8 ("W8A8"): x too is rounded to e4m3 per call, a scale per token (row), and the
+    product runs on fp8 operands, both scales applied to its float32 sums (torch._scaled_mm: on
+    an H100 the fp8 tensor cores, twice bf16's rate; prefill's compute halves, not only bytes)."""
+    kind = "fp8 e4m3 weights and activations"
+
+    def forward(self, x):
+        rows = x.reshape(-1, self.in_features)                                     # [R, in]
+        pad = -len(rows) % 16 if x.is_cuda else 0         # CUDA's fp8 GEMM: rows in 16s
+        xq, xs = quantize_fp8(F.pad(rows, (0, 0, 0, pad)))                         # [R', in], [R']
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs[:, None], scale_b=self.scale[None, :],
+                             out_dtype=torch.bfloat16 if x.is_cuda else x.dtype)  # [R', out]
+        y = y[:len(rows)].to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
 
 # --- int4 group-wise: two weights per byte, a scale and a zero point per group ------------
@@ -313,22 +330,17 @@ def awq_scale(model: nn.Module, calibration: list[int]) -> list[float]:
     return alphas
 
 
-FORMATS = {"int8": Int8Linear, "fp8": Fp8Linear, "llm.int8": LLMInt8Linear, "int4": Int4Linear,
+FORMATS = {"int8": Int8Linear, "fp8": Fp8Linear, "fp8-dynamic": Fp8DynamicLinear,
+           "llm.int8": LLMInt8Linear, "int4": Int4Linear,
            "awq": Int4Linear}
 
 
 def quantize_model(model: nn.Module, method: str = "int8", calibration=None) -> nn.Module:
     """Swap every nn.Linear for its `method` layer (FORMATS) in place, one at a time (the peak:
     the float model + one layer). "awq" first folds scales calibrated on `calibration` ids."""
-    if method not in FORMATS:
-        raise ValueError(f"unknown quantization {method!r}; the supported methods are "
-                         f"{', '.join(FORMATS)}")
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
-        raise ValueError("the model is already quantized; load a fresh float model to quantize "
-                         "it again")
+    checks.check_quantize(method, FORMATS, any(isinstance(m, QuantLinear) for m in model.modules()),
+                          calibration)
     if method == "awq":
-        if not calibration:
-            raise ValueError("awq needs calibration token ids (support/calibration.py)")
         awq_scale(model, calibration)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -362,8 +374,7 @@ class Int8KVCache(KVCache):
 
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
         super().__init__(cfg, num_blocks, block_size, device, dtype)         # int8 K, V
-        self.k_scale = torch.zeros(self.k.shape[:-1], device=device,
-                                   dtype=torch.float32)                      # [L, blocks, bs, n_kv]
+        self.k_scale = torch.zeros(self.k.shape[:-1], device=device)        # [L, blocks, bs, n_kv]
         self.v_scale = torch.zeros_like(self.k_scale)
         self.bytes_per_token = int8_kv_cache_bytes(cfg)
 
@@ -384,8 +395,6 @@ class Int8KVCache(KVCache):
 
 def make_kv_cache(cfg, num_blocks: int, block_size: int, kv_cache_dtype, device, dtype) -> KVCache:
     """The one place a KV pool is made: the model's dtype (None) or int8."""
-    if kv_cache_dtype not in (None, "int8"):
-        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', "
-                         f"got {kv_cache_dtype!r}")
-    return (Int8KVCache if kv_cache_dtype == "int8" else KVCache)(cfg, num_blocks, block_size,
-                                                                  device, dtype)
+    checks.check_kv_cache_dtype(kv_cache_dtype)
+    kind = Int8KVCache if kv_cache_dtype == "int8" else KVCache
+    return kind(cfg, num_blocks, block_size, device, dtype)

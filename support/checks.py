@@ -355,3 +355,21 @@ def say_random_weights(path, seed) -> None:
     if seed is not None:
         print(f"nanoinfer: {path}: RANDOM weights (published shapes, seed {seed}): timings "
               "are real, the text is noise")
+
+
+def check_quantize(method, formats, quantized: bool, calibration) -> None:
+    """quantize_model's arguments: a known method, a float model, AWQ's calibration ids."""
+    if method not in formats:
+        raise ValueError(f"unknown quantization {method!r}; the supported methods are "
+                         f"{', '.join(formats)}")
+    if quantized:
+        raise ValueError("the model is already quantized; load a fresh float model to quantize "
+                         "it again")
+    if method == "awq" and not calibration:
+        raise ValueError("awq needs calibration token ids (support/calibration.py)")
+
+
+def check_kv_cache_dtype(kv_cache_dtype) -> None:
+    if kv_cache_dtype not in (None, "int8"):
+        raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', "
+                         f"got {kv_cache_dtype!r}")

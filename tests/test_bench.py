@@ -251,8 +251,8 @@ def test_speculative(results):
 def test_quantization(run, results):
     c = run.cfg
     cfgs = {x["name"]: x for x in results["quantization"]["configs"]}
-    assert list(cfgs) == ["float", "bfloat16", "fp8 weights", "int8 weights", "llm.int8", "int4 weights",
-                          "awq int4 weights", "int8 weights + int8 KV"]
+    assert list(cfgs) == ["float", "bfloat16", "fp8 weights", "fp8 weights + activations", "int8 weights",
+                          "llm.int8", "int4 weights", "awq int4 weights", "int8 weights + int8 KV"]
     assert cfgs["float"]["weight_bytes"] == weight_bytes(c, 4)
     assert cfgs["bfloat16"]["weight_bytes"] == weight_bytes(c, 2)
     # int8: one byte per weight plus a bf16 scale per output row; norms stay bf16; the tied head
@@ -261,9 +261,10 @@ def test_quantization(run, results):
     for name in ("int8 weights", "int8 weights + int8 KV"):
         assert cfgs[name]["weight_bytes"] == int8
     assert 0.25 < int8 / cfgs["float"]["weight_bytes"] < 0.26, "int8 is ~1/4 of float32, plus the scales"
-    # fp8 and LLM.int8(): a byte per weight and a float32 scale per output row
+    # fp8 (its activations rounded too, or not) and LLM.int8(): a byte a weight, a float32 scale a row
     fp8 = sum(o * i + 4 * o for o, i in linear_shapes(c)) + 2 * norm_values(c)
     assert cfgs["fp8 weights"]["weight_bytes"] == cfgs["llm.int8"]["weight_bytes"] == fp8
+    assert cfgs["fp8 weights + activations"]["weight_bytes"] == fp8
     # int4 (plain or with AWQ's folded scales): half a byte per weight, a float16 scale and a byte of zero per group
     int4 = sum(o * i // 2 + 3 * o * (i // int4_group(i)) for o, i in linear_shapes(c)) + 2 * norm_values(c)
     assert cfgs["int4 weights"]["weight_bytes"] == cfgs["awq int4 weights"]["weight_bytes"] == int4
@@ -910,6 +911,26 @@ def test_checks_fail_on_a_wrong_path(monkeypatch):
     monkeypatch.setattr(check.torch, "compile", lambda layer, **kw: lambda x: layer(x) * (1 + 1e-3))
     verdict, detail = check.check_int8_fused(b)
     assert verdict == "FAIL" and "compiled: differs from the dequantized product" in detail
+
+
+def test_a_failing_quantization_format_loses_only_its_row(monkeypatch):
+    """A format that fails (a GPU kernel that refuses, say) is named in the text and fails the run's
+    exit status; every other row of the table stays."""
+    from experiments import quantization as qx
+
+    def fake(b, w, name, opts, timed=None):
+        if name == "int4 weights":
+            raise RuntimeError("no kernel")
+        return {"name": name, "dtype": "float32", "weight_bytes": 1000, "kv_bytes_per_token": 8,
+                "tokens_per_s_batch1": 10.0, f"tokens_per_s_batch{w.big}": 20.0, "perplexity": None}
+    monkeypatch.setattr(qx, "one_config", fake)
+    fig, text = qx.run(tiny_bench())
+    names = [c["name"] for c in fig["configs"]]
+    assert "int4 weights" not in names and "awq int4 weights" in names and len(names) == 8, names
+    assert fig["failed"] == {"int4 weights": "RuntimeError: no kernel"} and "int4 weights FAILED" in text
+    meta = {"device": "cpu"}
+    assert bench.failed({"meta": meta, "quantization": {**fig, "meta": meta}})
+    assert not bench.failed({"meta": meta, "quantization": {"configs": fig["configs"], "meta": meta}})
 
 
 def test_bf16_attention_error_is_rounding_for_the_engine_s_attention_and_large_for_a_wrong_one():

@@ -433,6 +433,32 @@ def test_fp8_equals_rounding_to_e4m3_by_hand():
 
 
 @pytest.mark.needs("int8")
+def test_fp8_dynamic_multiplies_e4m3_activations_by_e4m3_weights():
+    """fp8-dynamic (W8A8): each row of x is rounded to e4m3 with its own absmax / 448 scale (held
+    to rounding by hand), then multiplied by the fp8 weight: the product of the two rounded
+    operands times both scales, in float64 up to float32's rounding; a few percent from the float
+    layer, and a row of large activations does not spoil the others' scales."""
+    from quantize import Fp8DynamicLinear, Fp8Linear
+    torch.manual_seed(4)
+    lin = nn.Linear(96, 32)
+    x = torch.randn(5, 96)
+    x[2] *= 1000                                          # an outlier token: its scale is its own
+    layer = Fp8DynamicLinear(lin)
+    xs = x.abs().amax(1).double() / 448
+    xq = torch.from_numpy(e4m3_reference(x.double().numpy() / xs.numpy()[:, None]))
+    w = Fp8Linear(lin).dequantized(torch.float64)
+    want = (xq * xs[:, None]) @ w.t() + lin.bias.double()
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (5, 32)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), \
+        "not (round_e4m3(x / s_x) * s_x) @ dequantized(w)^T + bias"
+    dense = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    err = ((got.double() - dense).norm(dim=1) / dense.norm(dim=1))
+    assert (err < 0.08).all(), f"relative error per row {err.tolist()}: fp8 rounding is ~3% a value"
+    assert "activations" in repr(layer)
+
+
+@pytest.mark.needs("int8")
 def test_llm_int8_decomposes_the_outlier_columns():
     """LLM.int8(): the input columns holding a value above 6 go through the float product, the
     rest through int8 x int8 with per-row scales (held to numpy's int8 rounding in float64);
