@@ -36,15 +36,19 @@ class Sequence:
     _ids = itertools.count()
 
     def __init__(self, request: Request, token_ids: list, index: int, tokenizer):
+        # one counter for the whole engine: the BlockManager keys block tables by seq_id, and
+        # the n samples of one request need tables of their own after they fork
         self.seq_id = next(Sequence._ids)
         self.request = request
         self.params = request.params
         self.index = index                       # which of the request's n samples
         self.token_ids = list(token_ids)
         self.num_prompt = len(request.prompt_ids)
-        self.num_computed = 0
+        self.num_computed = 0        # nothing cached yet: the first steps are the prompt's prefill
         self.status = WAITING
-        self.key = sample_key(request.seed, index)          # its counter-based noise (sampler)
+        # its counter-based noise (sampler): the same seed gives the same tokens whatever else
+        # shares the batch, and whether or not this sequence was preempted and recomputed
+        self.key = sample_key(request.seed, index)
         self.draft_tokens: list[int] = []        # proposed this step (speculative decoding)
         self.draft_probs = None                  # their draft distributions [k, V] (None: one-hot)
         self.decoder = IncrementalDecoder(tokenizer)
@@ -62,11 +66,13 @@ class Sequence:
         """Stream decoded text through the stop strings; what can no longer change goes to
         self.pieces, the tail that may still become one waits. True if a stop string completed
         (the text is cut just before it)."""
+        # Why hold text back: "Obs" may be the start of the stop string "Observation". Sent
+        # early, a stream could never take it back; held, it costs only the stop's length.
         text = self.pending + delta
         hit = self.stops.feed(delta) if self.stops else None
         if hit is not None:
             end, length = hit
-            cut = len(self.pending) + end - length
+            cut = len(self.pending) + end - length   # the stop string itself is never output
             self.pending = ""
         else:
             cut = len(text) - (self.stops.partial if self.stops else 0)
@@ -77,12 +83,14 @@ class Sequence:
 
     def append(self, token: int, logprob, eos_token_id, max_len: int) -> str | None:
         """Add a token, stream its text; why the sequence stops ("stop" | "length"), or None."""
-        self.token_ids.append(token)
+        self.token_ids.append(token)      # num_computed lags by one: its K/V come next step
         if self.logprobs is not None:
             self.logprobs.append(logprob)
         p = self.params
         # token by token: a speculative step stops exactly where plain decoding would have
         hit = self.add_text(self.decoder.push(token))                    # a stop string completed
+        # EOS is kept in token_ids (as Hugging Face does) but decodes to no text: IncrementalDecoder
+        # skips special tokens
         if hit or (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
         elif self.num_output >= p.max_tokens or len(self.token_ids) >= max_len:
@@ -99,6 +107,8 @@ class Sequence:
     def snapshot(self) -> Completion:
         """This sequence as a Completion, with the tokens and text pieces since the last one (what
         a stream sends): a step costs O(new tokens), not O(text so far)."""
+        # Streams send deltas: re-joining the whole text every step would make a long answer
+        # cost O(length^2) over its life, more than its decode steps at a few thousand tokens.
         t0, p0 = self._reported
         n, p = self.num_output, len(self.pieces)
         self._reported = (n, p)
@@ -128,6 +138,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
+        # n > 1: the other samples exist only once the prompt is prefilled (they fork then), so
+        # "all seqs finished" alone would be true too early
         return len(self.seqs) == self.params.n and all(s.status == FINISHED for s in self.seqs)
 
     def output(self) -> RequestOutput:
