@@ -110,9 +110,9 @@ def quantized_layers(path, device, method) -> dict:
 
 def check_int8_fused(b):
     """Every distinct int8 and int4 layer shape, eagerly and through torch.compile (rows 1 and
-    FUSED_ROWS), against x @ dequantized(w)^T in float64. On CUDA both run the Triton kernels
-    (kernels.int8_matmul, int4_matmul: the bytes unpacked in registers); on a CPU, the compiled
-    fused reduction and the eager product."""
+    FUSED_ROWS), against x @ dequantized(w)^T in float64. On CUDA both run the kernels that read the
+    small bytes (int8: kernels.int8_matmul, Triton; int4 in bf16: torch's tinygemm); on a CPU, the
+    compiled fused reduction and the eager product."""
     cuda, worst, gen = b.device.type == "cuda", {}, torch.Generator().manual_seed(0)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for method in ("int8", "int4"):
