@@ -261,10 +261,11 @@ def test_quantization(run, results):
     for name in ("int8 weights", "int8 weights + int8 KV"):
         assert cfgs[name]["weight_bytes"] == int8
     assert 0.25 < int8 / cfgs["float"]["weight_bytes"] < 0.26, "int8 is ~1/4 of float32, plus the scales"
-    # fp8 (its activations rounded too, or not) and LLM.int8(): a byte a weight, a float32 scale a row
+    # fp8 (its activations rounded too, or not): a byte a weight, a float32 scale a row; LLM.int8()
+    # the same and an int32 sum of each row's levels (the term its activations' zero points subtract)
     fp8 = sum(o * i + 4 * o for o, i in linear_shapes(c)) + 2 * norm_values(c)
-    assert cfgs["fp8 weights"]["weight_bytes"] == cfgs["llm.int8"]["weight_bytes"] == fp8
-    assert cfgs["fp8 weights + activations"]["weight_bytes"] == fp8
+    assert cfgs["fp8 weights"]["weight_bytes"] == cfgs["fp8 weights + activations"]["weight_bytes"] == fp8
+    assert cfgs["llm.int8"]["weight_bytes"] == fp8 + sum(4 * o for o, _ in linear_shapes(c))
     # int4 (plain or with AWQ's folded scales): half a byte per weight, a float16 scale and a byte of zero per group
     int4 = sum(o * i // 2 + 3 * o * (i // int4_group(i)) for o, i in linear_shapes(c)) + 2 * norm_values(c)
     assert cfgs["int4 weights"]["weight_bytes"] == cfgs["awq int4 weights"]["weight_bytes"] == int4
