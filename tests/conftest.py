@@ -6,6 +6,13 @@ import json
 import os
 import sys
 
+# Before torch loads its OpenMP runtime: threads waiting at a barrier sleep instead of spinning. On
+# 2 cores shared with any other process (a second pytest, the bench, an editor's linter) a spinning
+# thread holds a core while its partner is descheduled: the real model's decode steps took 5-10x
+# longer (measured with torch's 2 threads: 8 greedy steps 2 s alone, 10-23 s beside one busy
+# process; PASSIVE: 2 s). The pytest runs the tests start (tests/assignments.py) inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 

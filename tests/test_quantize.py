@@ -232,14 +232,21 @@ def test_engine_with_int8_kv_cache_on_real_model(real_path):
         LLM(real_path, device="cpu", kv_cache_dtype="fp8")
 
 
+@pytest.fixture(scope="module")
+def real_eval(real_model, real_tokenizer):
+    """The evaluation text's ids and the float model's perplexity on them: computed once, for the
+    int8 and the int4/AWQ comparisons below."""
+    ids = real_tokenizer.encode(eval_text())
+    return ids, perplexity(real_model, ids)
+
+
 @pytest.mark.timeout(600)   # the real model's perplexity twice + greedy runs: 12 s alone, 273 s under load 6
 @pytest.mark.assignment("int8")
 @pytest.mark.needs("model")
-def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, real_path):
+def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, real_path, real_eval):
     from model import load_model
-    ids = real_tokenizer.encode(eval_text())
+    ids, ppl_float = real_eval
     assert len(ids) > 900
-    ppl_float = perplexity(real_model, ids)
     assert 10 < ppl_float < 40, f"float perplexity {ppl_float:.2f} is off: is the model loaded right?"
     q_model = quantize_model(load_model(real_path, dtype=torch.float32)[0])
     ppl_int8 = perplexity(q_model, ids)
@@ -587,14 +594,14 @@ def test_awq_folding_keeps_the_float_model_and_beats_round_to_nearest():
 @pytest.mark.timeout(300)      # AWQ's calibration and search on the real model (~40 s alone), 3 perplexities
 @pytest.mark.assignment("awq")
 @pytest.mark.needs("int4", "model")
-def test_real_model_int4_bytes_and_awq_perplexity(real_model, real_tokenizer, real_path):
+def test_real_model_int4_bytes_and_awq_perplexity(real_model, real_tokenizer, real_path, real_eval):
     """On SmolLM2-135M and the evaluation text (which calibration did not see): int4's bytes
     are <= 0.14x float32's, scales included; AWQ's perplexity is closer to float's than int4
     round-to-nearest's. Measured: float 24.29, int4 36.11 (+49%), awq 31.77 (+31%); 73.06 of
     538.06 MB (0.136x). (fp8 and LLM.int8(): experiments/quantization.py; here +2.1% and +0.9%.)"""
     from model import load_model
     from support.calibration import calibration_ids
-    ids, ppl = real_tokenizer.encode(eval_text()), {}
+    ids, ppl = real_eval[0], {}
     for method in ("awq", "int4"):           # AWQ first: an unfinished search fails at once
         model = quantize_model(load_model(real_path, dtype=torch.float32)[0], method,
                                calibration_ids(real_tokenizer) if method == "awq" else None)
@@ -602,6 +609,6 @@ def test_real_model_int4_bytes_and_awq_perplexity(real_model, real_tokenizer, re
         if method == "int4":
             ratio = decode_weight_bytes(model) / decode_weight_bytes(real_model)
             assert ratio <= 0.14, f"int4 bytes are {ratio:.4f}x float32's"
-    ppl["float"] = perplexity(real_model, ids)
+    ppl["float"] = real_eval[1]
     assert ppl["awq"] < ppl["int4"] - 1, f"AWQ should beat round-to-nearest: {ppl}"
     assert ppl["int4"] < 1.6 * ppl["float"], f"int4 is off: {ppl}"
