@@ -9,8 +9,10 @@ Builds LLM(MODEL, compile=...) on --device, starts `batch` greedy requests decod
 Medians over the steps (microseconds per step); --repeat runs that many rounds (median of the
 rounds' medians). --profile: a cProfile of the steps, top functions by cumulative time per step.
 
-On a GPU the forward is asynchronous: wrap with --sync to time it to completion (the split is then
-a host/device one only up to the syncs the step itself makes).
+On a GPU the forward is asynchronous: compare `total` (the whole step) before/after. Without --sync
+the wait for the device lands in the stage that first synchronizes (before 259f116: 'inputs', the
+pageable copy of the logits rows; after: 'sample', its one fetch); --sync times the forward to its
+end, but then the host work can no longer overlap it.
 
     python scripts/host_overhead.py --batches 1 8 16 --compile --repeat 3
 """
