@@ -321,7 +321,7 @@ class LLM:
             except Exception as e:
                 self._fail(seq.request, f"{type(e).__name__}: {e}")
         touched = dict(self.failed)
-        for seq in [item.seq for item in batch] + [seq for seq, _ in asks]:
+        for seq in dict.fromkeys([item.seq for item in batch] + [seq for seq, _ in asks]):  # once
             if seq.status == RUNNING:              # full blocks become reusable prefixes
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
             elif seq.request.finished:

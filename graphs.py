@@ -65,7 +65,7 @@ class Staging:
         dev = host.to(self.device, non_blocking=True, copy=True)         # one copy
         if self.event is not None:
             self.event.record()                           # ... which the next send waits for
-        return [t.view(a.shape) for t, a in zip(dev.split(sizes), arrays)]
+        return [t if a.ndim == 1 else t.view(a.shape) for t, a in zip(dev.split(sizes), arrays)]
 
 
 @dataclass
@@ -285,28 +285,28 @@ class CompiledDecoder:
         last = positions[np.cumsum(qlens) - 1]                       # each sequence's last position
         key = (bucket(int(qlens.max()), self.query_sizes), bucket(len(qlens), self.batch_sizes),
                bucket(int(last.max()) // self.cache.block_size + 1, self.widths))
-        prow = self._load(key, tokens, positions, slots, tables, qlens)
+        prow = self._load(key, tokens, positions, slots, tables, qlens, logits_rows)
         self._run(key)
         self.steps[key[0]] += 1
-        prow = prow if logits_rows is None else prow[np.asarray(logits_rows, dtype=np.int64)]
-        return self.logits[torch.from_numpy(prow).to(self.device)]   # a copy: next step overwrites
+        return self.logits[prow]   # a copy (next step overwrites); prow is on the device: no wait
 
-    def _load(self, key, tokens, positions, slots, tables, qlens):
-        """Pad the flat batch to bucket key = (Q, B, W) in the static inputs (ONE copy); return
-        where each real row lands in the padded [B * Q]. Padding writes only the scratch block."""
+    def _load(self, key, tokens, positions, slots, tables, qlens, logits_rows=None):
+        """Pad the flat batch to bucket key = (Q, B, W) in the static inputs (ONE copy; padding
+        writes only the scratch block); return the padded rows (query i of sequence b: b * Q + i)
+        of the real queries (logits_rows'), in that copy too: its own would wait for the replay."""
         Q, Bp, W = key
         B, scratch = len(qlens), self.scratch_block * self.cache.block_size
         src, real = query_rows(np.cumsum(qlens) - qlens, qlens, Q)            # [B, Q] each
-        ids, pos = np.zeros((Bp, Q), np.int64), np.zeros((Bp, Q), np.int64)
-        slot = np.full((Bp, Q), scratch)
+        prow = np.flatnonzero(real)[slice(None) if logits_rows is None else logits_rows]   # [R]
+        (ids, pos), slot = np.zeros((2, Bp, Q), np.int64), np.full((Bp, Q), scratch)
         ids[:B], pos[:B] = np.where(real, tokens[src], 0), positions[src]
         slot[:B] = np.where(real, slots[src], scratch)
         table = np.full((Bp, W), self.scratch_block, dtype=np.int64)
         table[:B, :tables.shape[1]] = tables[:, :W]
-        for static, part in zip((self.ids, self.positions, self.slots, self.tables),
-                                self.staging.send([ids, pos, slot, table])):     # one copy ...
-            static[:part.numel()].copy_(part.flatten())  # ... then into the graph's fixed addresses
-        return np.flatnonzero(real)                      # real query (b, i) is padded row b * Q + i
+        *parts, prow = self.staging.send([a.ravel() for a in (ids, pos, slot, table, prow)])
+        for static, part in zip((self.ids, self.positions, self.slots, self.tables), parts):
+            static[:part.numel()].copy_(part)            # ... then into the graph's fixed addresses
+        return prow
 
     def _bucket(self, key):
         """The static inputs of bucket (Q, B, W) and its per-layer contexts (made once)."""

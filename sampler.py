@@ -162,13 +162,14 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
     logits rows row_s .. row_s + k_s (k_s drafts): plain sampling is verification with k = 0.
     Returns per sequence, on the host after the step's one wait: (tokens, raw-logit logprobs
     or None, finite). `also`: more device tensors for that wait, replaced by host lists."""
-    S, K = len(reqs), max(len(r.drafts) for r in reqs)        # sequences, most drafts
-    dev = logits.device
+    S, K, dev = len(reqs), max(len(r.drafts) for r in reqs), logits.device   # most drafts: K
     n = np.array([len(r.drafts) for r in reqs])
     # ridx [S, K+1]: the logits row of each sequence's position j (past its drafts: its last)
     ridx = np.array([r.row for r in reqs])[:, None] + np.minimum(np.arange(K + 1)[None], n[:, None])
     drafts = np.array([r.drafts + [-1] * (max(K, 1) - len(r.drafts)) for r in reqs])   # -1: none
-    idx, d, n_t = (torch.as_tensor(a, device=dev) for a in (ridx, drafts, n))
+    cuda = logits.is_cuda   # a copy from pageable memory would wait for the forward: pinned, none
+    idx, d, n_t = (torch.as_tensor(a).pin_memory().to(dev, non_blocking=True) if cuda
+                   else torch.as_tensor(a) for a in (ridx, drafts, n))
     best, argmax = logits.max(dim=-1)                  # [R]: greedy tokens, and a NaN/inf check
     pen = [s for s, r in enumerate(reqs) if r.params.penalized]   # nobody asks: not one op more
     scores = logits                                    # the logprobs stay the raw logits'
@@ -204,8 +205,7 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
 
 def _sample_rows(logits, reqs, ridx, d, n):
     """Sampled (temperature > 0) sequences: filtered q, the rejection rule, one draw each."""
-    S, K1 = ridx.shape
-    dev = logits.device
+    (S, K1), dev = ridx.shape, logits.device
     rows = torch.as_tensor(ridx.reshape(-1), device=dev)
     per_row = lambda f: [f(r.params) for r in reqs for _ in range(K1)]                 # noqa: E731
     temp = torch.tensor(per_row(lambda p: p.temperature), device=dev, dtype=logits.dtype)
@@ -234,8 +234,7 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
     the prompt or output has its logit divided by repetition_penalty if > 0, else multiplied by it;
     then logit -= presence * (count > 0) + frequency * count, counting OUTPUT tokens. Verification
     row j also counts drafts 0..j-1: each position sees its own history, so verifying is exact."""
-    (S, K1), V = ridx.shape, logits.shape[1]
-    dev = logits.device
+    (S, K1), V, dev = ridx.shape, logits.shape[1], logits.device
 
     def count(parts):    # [len(parts), V]: how often each part holds each token (one scatter-add)
         flat = np.concatenate([np.asarray(p, dtype=np.int64) + i * V for i, p in enumerate(parts)])
