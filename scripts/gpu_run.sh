@@ -4,6 +4,7 @@
 #
 #   OUT=gpu-out scripts/gpu_run.sh probe decode check int8      # the stages, in this order
 #   stages: probe | decode | int8 | int8+bf16 | int4 | int4+bf16 | continuous (scripts/gpu_figures.py) | kernels (scripts/gpu_kernels.py)
+#           | host (scripts/host_overhead.py: a compiled bf16 step's host work, Llama-3.1-8B's shapes, batch 1 and 16)
 #           | check (python bench.py --check) | quick (python bench.py --quick) | bench (python bench.py)
 #   STAGE=SECONDS overrides a stage's limit; quick:a,b and bench:a,b run only experiments a and b
 set -u
@@ -31,6 +32,7 @@ for s in "$@"; do
         int8+bf16) run "${limit:-180}" python3 scripts/gpu_figures.py int8 --baseline --out "$OUT" ;;
         int4+bf16) run "${limit:-180}" python3 scripts/gpu_figures.py int4 --baseline --out "$OUT" ;;
         kernels) run "${limit:-150}" python3 scripts/gpu_kernels.py --out "$OUT" ${only:+--only ${only#--only }} ;;
+        host)   run "${limit:-150}" python3 scripts/host_overhead.py --model random:llama-3.1-8b --device cuda --dtype bfloat16 --compile --batches 1 16 --steps 64 --repeat 2 ;;
         check)  run "${limit:-120}" python3 bench.py --check --json "$OUT/check.json" --no-plots ;;
         quick)  run "${limit:-300}" python3 bench.py --quick $only --json "$OUT/quick.json" --plots "$OUT/plots" ;;
         bench)  run "${limit:-600}" python3 bench.py $only --json "$OUT/bench.json" --plots "$OUT/plots" ;;
