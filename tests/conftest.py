@@ -144,29 +144,37 @@ def _blocking(item) -> set:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
-    report.assignment_status = ("passed" if report.passed else "skipped", [], False)
+    # user_properties: what a pytest-xdist worker sends its controller along with the report
+    report.user_properties.append(("assignments", sorted(set(_marked(item, "assignment")))))
+    report.user_properties.append(("assignment_status", _status(item, call, report)))
+
+
+def _status(item, call, report) -> tuple:
+    """(status, the assignments it is due to, declared) of one phase; a test blocked by another
+    assignment's raise becomes a skip."""
     needed = _blocking(item)
     if report.skipped and needed and call.when == "setup":    # skipped above, before it ran
-        report.assignment_status = ("blocked", sorted(needed), True)
+        return ("blocked", sorted(needed), True)
     if not report.failed:
-        return
+        return ("passed" if report.passed else "skipped", [], False)
     own, text = set(_marked(item, "assignment")), _text(report)
     shown = assignments.raised(text, UNFINISHED)
     if own & shown:                                       # its own work, still to do
-        report.assignment_status = ("todo", sorted(own & shown), True)
-    elif shown or needed:                                 # waits for another assignment
+        return ("todo", sorted(own & shown), True)
+    if shown or needed:                                   # waits for another assignment
         by = sorted(shown or needed)
-        report.assignment_status = ("blocked", by, set(by) <= needed)
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] + 1, "blocked by " + ", ".join(by))
-    else:
-        report.assignment_status = ("failed", [], False)
+        return ("blocked", by, set(by) <= needed)
+    return ("failed", [], False)
 
 
 def pytest_runtest_logreport(report):
-    status, by, declared = getattr(report, "assignment_status", ("failed", [], False))
+    props = dict(report.user_properties)
+    status, by, declared = props.get("assignment_status", ("failed", [], False))
     r = RESULTS.setdefault(report.nodeid, {"test": report.nodeid.split("/")[-1], "status": "collected",
-                                           "by": [], "assignments": [], "declared": False, "message": ""})
+                                           "by": [], "assignments": props.get("assignments", []),
+                                           "declared": False, "message": ""})
     if RANK[status] > RANK[r["status"]]:                  # a test's status: its worst phase
         crash = getattr(report.longrepr, "reprcrash", None)
         r.update(status=status, by=by, declared=declared,
@@ -186,7 +194,7 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_sessionfinish(session):
     path = session.config.getoption("--assignment-report")
-    if path:
+    if path and not hasattr(session.config, "workerinput"):   # (pytest-xdist: the controller writes)
         with open(path, "w") as f:
             json.dump(RESULTS, f, indent=1)
 

@@ -291,8 +291,7 @@ BUGS = [
         "return y if self.bias is None else y + self.bias\n        # end assignment",
         "return y if self.bias is None else y + self.bias * self.scale\n        # end assignment"),
     Bug("int8", "quantize.py", "int8 KV cache: V dequantized with K's scales",
-        "v = dequantize_int8(self.v[layer][block_ids], self.v_scale[layer][block_ids]",
-        "v = dequantize_int8(self.v[layer][block_ids], self.k_scale[layer][block_ids]"),
+        "((self.k, self.k_scale), (self.v, self.v_scale))", "((self.k, self.k_scale), (self.v, self.k_scale))"),
 
     # ------------------------------------------------------------ int4 (quantize.py)
     Bug("int4", "quantize.py", "the group's range is not widened to hold 0 (an all-positive group clips)",

@@ -144,6 +144,18 @@ def test_student_version_fails_exactly_the_blanked_assignments_tests(student, tm
     assert "bpe" in summary and "not attempted" in summary and "blocked by" in text
 
 
+@pytest.mark.timeout(600)
+def test_the_grade_is_the_same_on_two_processes(student, tmp_path):
+    """README's `python -m pytest -n 2` (pytest-xdist): the workers send each test's assignments
+    and status to the controller with the report, so its grade and JSON report are the serial run's."""
+    out, _ = student
+    runs = [pytest_in(out, tmp_path / f"{n}.json", "tests/test_cache.py", "-n", n) for n in ("0", "2")]
+    (_, serial, r0), (_, parallel, r2) = runs
+    assert r2 == r0, "the JSON report differs on two processes"
+    grade = [text.split("= assignments =")[1].split("\n=")[0] for text in (serial, parallel)]
+    assert grade[0] == grade[1] and "blocked by kv-cache-bytes" in grade[0], grade
+
+
 # ---------------------------------------------------------------- check
 
 @pytest.mark.timeout(1800)
