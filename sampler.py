@@ -167,9 +167,7 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
     # ridx [S, K+1]: the logits row of each sequence's position j (past its drafts: its last)
     ridx = np.array([r.row for r in reqs])[:, None] + np.minimum(np.arange(K + 1)[None], n[:, None])
     drafts = np.array([r.drafts + [-1] * (max(K, 1) - len(r.drafts)) for r in reqs])   # -1: none
-    cuda = logits.is_cuda   # a copy from pageable memory would wait for the forward: pinned, none
-    idx, d, n_t = (torch.as_tensor(a).pin_memory().to(dev, non_blocking=True) if cuda
-                   else torch.as_tensor(a) for a in (ridx, drafts, n))
+    idx, d, n_t = (to_device(a, dev) for a in (ridx, drafts, n))
     best, argmax = logits.max(dim=-1)                  # [R]: greedy tokens, and a NaN/inf check
     pen = [s for s, r in enumerate(reqs) if r.params.penalized]   # nobody asks: not one op more
     scores = logits                                    # the logprobs stay the raw logits'
@@ -185,7 +183,7 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
     if sampled:
         toks, acc = _sample_rows(scores, [reqs[s] for s in sampled], ridx[sampled], d[sampled],
                                  n_t[sampled])
-        sel = torch.as_tensor(sampled, device=dev)
+        sel = to_device(sampled, dev)
         tokens[sel], n_acc[sel] = toks, acc
     finite = torch.isfinite(best[idx]).all(dim=1)
     want_lp = [s for s, r in enumerate(reqs) if r.params.logprobs is not None]
@@ -206,9 +204,9 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
 def _sample_rows(logits, reqs, ridx, d, n):
     """Sampled (temperature > 0) sequences: filtered q, the rejection rule, one draw each."""
     (S, K1), dev = ridx.shape, logits.device
-    rows = torch.as_tensor(ridx.reshape(-1), device=dev)
+    rows = to_device(ridx.reshape(-1), dev)
     per_row = lambda f: [f(r.params) for r in reqs for _ in range(K1)]                 # noqa: E731
-    temp = torch.tensor(per_row(lambda p: p.temperature), device=dev, dtype=logits.dtype)
+    temp = to_device(per_row(lambda p: p.temperature), dev, logits.dtype)
     probs = filtered_probs(logits[rows], temp, per_row(lambda p: p.top_k),
                            per_row(lambda p: p.top_p), per_row(lambda p: p.min_p))
     probs = probs.view(S, K1, -1)                                                    # [S, K+1, V]
@@ -220,7 +218,7 @@ def _sample_rows(logits, reqs, ridx, d, n):
                 dp[s, :len(r.drafts)] = r.draft_probs
     noise = [[[uniform(r.key, r.position + j, stream) for stream in (DRAW, ACCEPT)]
               for j in range(K1)] for r in reqs]
-    u = torch.tensor(noise, device=dev, dtype=torch.float64)                          # [S, K+1, 2]
+    u = to_device(noise, dev, torch.float64)                                         # [S, K+1, 2]
     n_acc, final = rejection_sample_batched(probs, dp, d[:, :K1 - 1], n, u[:, :K1 - 1, 1])
     # the extra token lands at output position + n_acc: that position's DRAW noise
     final_tok = draw(final, u[:, :, 0].gather(1, n_acc[:, None])[:, 0])
@@ -240,10 +238,10 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
         flat = np.concatenate([np.asarray(p, dtype=np.int64) + i * V for i, p in enumerate(parts)])
         ones = torch.ones(len(flat), device=dev)
         counts = torch.zeros(len(parts) * V, device=dev)
-        return counts.index_add_(0, torch.as_tensor(flat).to(dev), ones).view(-1, V)
+        return counts.index_add_(0, to_device(flat, dev), ones).view(-1, V)
 
     def param(name):     # [S, 1, 1]: each sequence's value of one penalty
-        return torch.tensor([getattr(r.params, name) for r in reqs], device=dev)[:, None, None]
+        return to_device([getattr(r.params, name) for r in reqs], dev)[:, None, None]
     in_prompt = count([r.token_ids[:len(r.token_ids) - r.position] for r in reqs]).view(S, 1, V) > 0
     # assignment: sampler
     n = count([r.token_ids[len(r.token_ids) - r.position:] for r in reqs]).view(S, 1, V) \
@@ -254,14 +252,14 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
     x = torch.where(x > 0, x / rep, x * rep)
     x = x - param("presence_penalty") * seen - param("frequency_penalty") * n
     # end assignment
-    flat_rows = torch.as_tensor(ridx.reshape(-1), device=dev)
+    flat_rows = to_device(ridx.reshape(-1), dev)
     return logits.index_put((flat_rows,), x.flatten(0, 1).to(logits.dtype))
 
 
 def _logprobs(logits, ridx, tokens, top: int):
     """Logprobs from the RAW logits (no temperature or filtering, as OpenAI and vLLM report
     them): the chosen tokens' [S', K+1], and the top alternatives' values and ids."""
-    logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)   # [S', K+1, V]
+    logp = logits[to_device(ridx, logits.device)].log_softmax(dim=-1)               # [S', K+1, V]
     alt = logp.topk(max(top, 1), dim=-1)
     return [logp.gather(-1, tokens[..., None])[..., 0], alt.values, alt.indices]
 
@@ -269,9 +267,16 @@ def _logprobs(logits, ridx, tokens, top: int):
 def prompt_logprobs(logits, next_tokens: list[int], top: int) -> list:
     """The same, in float32, for the LAST len(next_tokens) logits rows, each scored against the
     prompt token after it: only [R] + 2 x [R, top] wait for the fetch (the [R, V] rows die)."""
-    nxt = torch.as_tensor(next_tokens).to(logits.device, non_blocking=True)   # a copy up, no wait
+    nxt = to_device(next_tokens, logits.device)
     rows = logits[-len(next_tokens):].float()
     return _logprobs(rows, np.arange(len(next_tokens)), nxt, top)
+
+
+def to_device(data, dev, dtype=None) -> torch.Tensor:
+    """Host data (a list, numpy) on `dev` without waiting for it: a CUDA copy from pageable
+    memory first waits for every queued kernel (the forward); from pinned memory it is queued."""
+    t = torch.as_tensor(data, dtype=dtype)
+    return t.pin_memory().to(dev, non_blocking=True) if torch.device(dev).type == "cuda" else t
 
 
 def fetch(*tensors) -> list:
