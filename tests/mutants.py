@@ -226,8 +226,8 @@ BUGS = [
     Bug("sampler", "sampler.py", 'min-p measured against the second most likely token',
         'floor = probs.amax(dim=-1, keepdim=True) * m', 'floor = probs.topk(2, dim=-1).values[:, 1:] * m'),
     Bug("sampler", "sampler.py", "logprobs computed from temperature-scaled logits",
-        "logp = logits[torch.as_tensor(ridx, device=logits.device)].log_softmax(dim=-1)",
-        "logp = (logits[torch.as_tensor(ridx, device=logits.device)] / 0.7).log_softmax(dim=-1)"),
+        "logp = logits[to_device(ridx, logits.device)].log_softmax(dim=-1)",
+        "logp = (logits[to_device(ridx, logits.device)] / 0.7).log_softmax(dim=-1)"),
 
     # ------------------------------------------------------------ stop-strings (sampler.py)
     Bug("stop-strings", "sampler.py", "on a mismatch the match restarts from 0 instead of the failure table",
