@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import BlockManager, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
-from graphs import CompiledDecoder, StepInputs
+from graphs import MAX_ROWS, CompiledDecoder, StepInputs
 from model import default_model_path, load_model
 from parallel import TensorParallelError, TensorParallelGroup
 from quantize import int8_kv_cache_bytes, make_kv_cache, quantize_model
@@ -86,8 +86,8 @@ class EngineConfig:
                                                "int4", "awq"))
     kv_cache_dtype: str | None = option(None, "int8: the KV pool stores int8 and a scale per "
                                         "token and head (quantize.py)", choices=(None, "int8"))
-    compile: bool = option(False, "steps of <= k + 1 tokens per sequence through torch.compile, "
-                           "padded to buckets (graphs.py; CUDA graphs on a GPU)")
+    compile: bool = option(False, "every step of up to graphs.MAX_ROWS tokens through "
+                           "torch.compile, padded to buckets (graphs.py; CUDA graphs on a GPU)")
     speculative: str | None = option(None, "'ngram' (prompt lookup) or a draft model directory "
                                      "(speculative.py)")
     num_speculative_tokens: int = option(4, "drafts per step (k)", ge=1, le=MAX_SPECULATIVE_TOKENS)
@@ -122,7 +122,8 @@ class LLM:
         self._request_ids = itertools.count()
         self._rng = random.Random(0)                 # the seeds of unseeded requests
         self.stats = {"steps": 0, "batched_tokens": 0,     # forward passes, tokens they processed
-                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0}
+                      "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0,
+                      "graph_steps": 0, "compiled_steps": 0, "eager_steps": 0}   # how each ran
         num_blocks = self.block_manager.num_blocks
         self.drafter = make_drafter(c, self.config, self.tokenizer, num_blocks,
                                     lambda bm: StepInputs(bm, self.device))
@@ -273,10 +274,13 @@ class LLM:
         N = sum(item.count for item in batch)
         select = None if logits_rows == list(range(N)) else logits_rows   # None: every row
         hb = self.inputs.host([(it.seq.seq_id, it.tokens, it.start) for it in batch], select)
-        if self.decoder is not None and self.decoder.fits(hb.query_lens):   # decodes, verifies
-            tables = self.inputs.tables[hb.rows]
-            return self.decoder(hb.input_ids, hb.positions, hb.slot_mapping, tables,
-                                hb.query_lens, select)
+        # compiled: every step that fits a bucket, mixed ones as rows (graphs.py); else eager
+        layout = self.decoder and self.decoder.layout(hb.query_lens, hb.seq_lens, len(logits_rows))
+        if layout:
+            self.stats["graph_steps" if self.decoder.cuda else "compiled_steps"] += 1
+            return self.decoder(hb.input_ids, hb.positions, hb.slot_mapping,
+                                self.inputs.tables[hb.rows], hb.query_lens, select, layout)
+        self.stats["eager_steps"] += 1
         input_ids, positions, ctx = self.inputs.device(hb, self.cache)
         if self.tp is not None:        # every rank runs its slice; rank 0 gets the gathered logits
             return self.tp.forward(input_ids, positions, ctx, copies=copies)
@@ -472,18 +476,22 @@ def compiled_step_reserve(model, cfg, c: EngineConfig, max_query_len: int) -> in
 
     def largest_step():
         pool = make_kv_cache(cfg, 1, c.block_size, c.kv_cache_dtype, device, c.dtype)
-        decoder = CompiledDecoder(model, pool, c.max_num_seqs, widest, 0, (1, max_query_len))
+        decoder = CompiledDecoder(model, pool, c.max_num_seqs, widest, 0, (1, max_query_len),
+                                  min(MAX_ROWS, c.max_num_batched_tokens))
         return decoder.scratch_step()
     return step_memory(largest_step, device, graphs=True)
 
 
 def make_compiled_decoder(model, cache, c: EngineConfig, max_len: int, scratch_block: int,
                           max_query_len: int = 1):
-    """compile=True: steps of <= max_query_len tokens per sequence through torch.compile
+    """compile=True: steps of <= max_query_len tokens per sequence, and mixed steps of up to
+    graphs.MAX_ROWS tokens (never past the token budget) as rows, through torch.compile
     (graphs.py), every bucket compiled now rather than in the middle of serving."""
     decoder = CompiledDecoder(model, cache, c.max_num_seqs, -(-max_len // c.block_size),
-                              scratch_block, (1, max_query_len))
+                              scratch_block, (1, max_query_len),
+                              min(MAX_ROWS, c.max_num_batched_tokens))
     seconds = decoder.warmup()
     print(f"nanoinfer: compiled steps of {decoder.query_sizes} tokens per sequence for batch "
-          f"buckets {decoder.batch_sizes} and table widths {decoder.widths} in {seconds:.1f} s")
+          f"buckets {decoder.batch_sizes}, mixed steps of up to {decoder.row_sizes[-1]} rows, "
+          f"table widths {decoder.widths}: {len(decoder.keys)} buckets in {seconds:.1f} s")
     return decoder, seconds

@@ -8,16 +8,21 @@ roofline is the host's work, removed here in turn:
     to the device in ONE copy (Staging);
   * kernel launches (hundreds a GPU step, ~5 us of CPU each), unfused elementwise ops ->
     CompiledDecoder: torch.compile of ONE transformer block (all layers share its graph) and the
-    LM head; on CUDA each padded bucket is ONE CUDA graph.
+    LM head; on CUDA each padded bucket is ONE CUDA graph;
+  * the step that admits a request (a prefill chunk beside the running decodes: continuous
+    batching's own step) -> "rows": every token is a row of its own, with its own position and
+    its sequence's block table. Only attention knows which sequence a row belongs to, and since
+    a step writes all its K/V before any row attends, a chunk's token t sees tokens 0..t of its
+    sequence exactly as a decode would: a mixed step is a decode step of N rows, so it replays a
+    graph too (selective batching, taken to its end).
 
 Place in the data flow (LLM.step, engine.py): StepInputs builds every step's inputs; with
-LLM(compile=True), steps of <= k + 1 tokens a sequence run in CompiledDecoder.
+LLM(compile=True), every step of up to MAX_ROWS tokens runs in CompiledDecoder.
 """
 from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -147,10 +152,28 @@ class StepInputs:
 
 
 # --- The compiled step: one block compiled once, a CUDA graph per bucket ------
+# A mixed step runs as rows (one per token) up to this many: the scheduler's chunks beside a full
+# batch of decodes. Longer steps are compute-bound prefills: there the eager model's launches are
+# a small share of the step, and its attention reads each cached block once per chunk, not once
+# per token.
+MAX_ROWS = 512
+# A row repeats its sequence's block table, so a bucket's table is rows x width entries: row
+# buckets whose table would exceed this run eagerly (a long-context prefill), never recorded.
+MAX_ROW_TABLE = 1 << 18
+
+
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16, up to the first that holds max_num_seqs."""
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
     return sizes[:sizes.index(bucket(max_num_seqs, sizes)) + 1]
+
+
+def row_buckets(max_num_seqs: int, max_rows: int) -> list[int]:
+    """The Q = 1 buckets (decodes, and mixed steps as rows): the batch buckets, continued to 64
+    rows, then multiples of 64 up to the first that holds max_rows (padding wastes at most a
+    third of a step's rows past 128)."""
+    small = batch_buckets(max(max_num_seqs, min(max_rows, 64)))
+    return small + [n for n in range(128, max_rows + 64, 64) if n > small[-1]]
 
 
 def width_buckets(max_blocks: int) -> list[int]:
@@ -245,45 +268,73 @@ class CompiledModel:
 
 
 class CompiledDecoder:
-    """Decode and verification steps through torch.compile, padded to buckets. A step feeds Q
-    tokens for each of B sequences (decode: Q = 1; verifying k drafts: Q = k + 1, shorter rows
-    padded) over block tables W wide. Why buckets: a CUDA graph replays fixed shapes and addresses,
-    so a step is padded to a (Q, B, W) bucket recorded at warm-up: one input copy and one replay.
-    One graph with symbolic sizes serves all buckets (CPU runs the same padded code). Padded rows
-    and queries write into `scratch_block`, one more than the block manager hands out."""
+    """Every step of up to max_rows tokens through torch.compile, padded to buckets. Two layouts:
+    "queries": Q tokens for each of B sequences (decode: Q = 1; verifying k drafts: Q = k + 1,
+    shorter rows padded), each sequence's keys read once for its Q queries; "rows" (a step with a
+    prefill chunk): every token a row of its own (Q = 1, B = N), repeating its sequence's block
+    table. Why buckets: a CUDA graph replays fixed shapes and addresses, so a step is padded to a
+    (Q, B, W) bucket recorded at warm-up: one input copy and one replay. One graph with symbolic
+    sizes serves all buckets (CPU runs the same padded code). Padded rows and queries write into
+    `scratch_block`, one more than the block manager hands out."""
 
     def __init__(self, model, cache, max_num_seqs: int, max_blocks_per_seq: int, scratch_block: int,
-                 query_sizes=(1,)):
+                 query_sizes=(1,), max_rows: int = MAX_ROWS):
         self.model, self.cache, self.scratch_block = model, cache, scratch_block
         self.batch_sizes = batch_buckets(max_num_seqs)
+        self.row_sizes = row_buckets(max_num_seqs, max_rows)          # the Q = 1 buckets
         self.widths = width_buckets(max_blocks_per_seq)
         self.query_sizes = sorted(set(query_sizes) | {1})
         self.device, self.cuda = cache.k.device, on_cuda(cache.k.device)
         self.regions = CompiledModel(model)
         self.layer_caches = [layer_cache(cache, i) for i in range(model.config.n_layers)]
-        rows = self.batch_sizes[-1] * self.query_sizes[-1]
+        # logits: every row of a "queries" bucket; a bigger bucket gathers this many rows first
+        self.max_logits = self.batch_sizes[-1] * self.query_sizes[-1]
+        rows = max(self.max_logits, self.row_sizes[-1])
         # Static inputs and output at fixed addresses, for CUDA graphs: each bucket uses a prefix.
         long = dict(dtype=torch.long, device=self.device)
         self.ids, self.positions, self.slots = (torch.zeros(rows, **long) for _ in range(3))
-        self.tables = torch.zeros(self.batch_sizes[-1] * self.widths[-1], **long)
-        self.logits = torch.zeros(rows, model.config.vocab_size, device=self.device)
+        self.logits_rows = torch.zeros(self.max_logits, **long)
+        table = max(self.batch_sizes[-1] * self.widths[-1], MAX_ROW_TABLE)     # [B, W] entries
+        self.tables = torch.zeros(table, **long)
+        self.logits = torch.zeros(self.max_logits, model.config.vocab_size, device=self.device)
         self.staging = Staging(self.device)
+        self.keys = set(self.buckets())                     # every bucket a step can use
         self.contexts, self.graphs, self.pool = {}, {}, None
         self.steps = {Q: 0 for Q in self.query_sizes}      # steps run per query size (tests, bench)
+        self.row_steps = 0                                  # ... of which mixed steps, as rows
 
-    def fits(self, query_lens) -> bool:
-        """Can a step with these per-sequence query lengths run here?"""
-        return len(query_lens) <= self.batch_sizes[-1] and max(query_lens) <= self.query_sizes[-1]
+    def layout(self, query_lens, seq_lens, n_logits: int) -> str | None:
+        """How a step runs here: "queries" (every sequence feeds <= Q tokens), "rows" (a mixed
+        step: each token a row), or None (too big: the caller runs it eagerly). seq_lens: tokens
+        in cache after the step; n_logits: rows that need logits."""
+        if len(query_lens) <= self.batch_sizes[-1] and max(query_lens) <= self.query_sizes[-1]:
+            return "queries"
+        N, W = int(sum(query_lens)), int(max(seq_lens) - 1) // self.cache.block_size + 1
+        if N > self.row_sizes[-1] or n_logits > self.max_logits:
+            return None
+        key = (1, bucket(N, self.row_sizes), bucket(W, self.widths))
+        return "rows" if key in self.keys else None     # else its table is too big: eager
 
-    def __call__(self, tokens, positions, slots, tables, query_lens=None, logits_rows=None):
+    def __call__(self, tokens, positions, slots, tables, query_lens=None, logits_rows=None,
+                 layout=None):
         """One step: tokens, positions, slots [N], tables [B, W] (padded with any valid block),
-        query_lens [B] (None: one each), logits_rows (None: all). Returns logits [rows, V]."""
+        query_lens [B] (None: one each), logits_rows (None: all), layout (None: self.layout's).
+        Returns logits [rows, V]."""
         tokens, positions, slots, tables = (np.asarray(a, dtype=np.int64)
                                             for a in (tokens, positions, slots, tables))
         qlens = (np.ones(len(tokens), np.int64) if query_lens is None
                  else np.asarray(query_lens, np.int64))
+        if layout is None:
+            n_logits = len(tokens) if logits_rows is None else len(logits_rows)
+            layout = self.layout(qlens, positions[np.cumsum(qlens) - 1] + 1, n_logits)
+            if layout is None:
+                raise ValueError(f"a step of {len(tokens)} tokens fits no bucket: run it eagerly")
+        if layout == "rows":                     # token i: its own row, its sequence's table
+            tables, qlens = np.repeat(tables, qlens, axis=0), np.ones(len(tokens), np.int64)
+            self.row_steps += 1
         last = positions[np.cumsum(qlens) - 1]                       # each sequence's last position
-        key = (bucket(int(qlens.max()), self.query_sizes), bucket(len(qlens), self.batch_sizes),
+        Q = bucket(int(qlens.max()), self.query_sizes)
+        key = (Q, bucket(len(qlens), self.row_sizes if Q == 1 else self.batch_sizes),
                bucket(int(last.max()) // self.cache.block_size + 1, self.widths))
         prow = self._load(key, tokens, positions, slots, tables, qlens, logits_rows)
         self._run(key)
@@ -292,8 +343,8 @@ class CompiledDecoder:
 
     def _load(self, key, tokens, positions, slots, tables, qlens, logits_rows=None):
         """Pad the flat batch to bucket key = (Q, B, W) in the static inputs (ONE copy; padding
-        writes only the scratch block); return the padded rows (query i of sequence b: b * Q + i)
-        of the real queries (logits_rows'), in that copy too: its own would wait for the replay."""
+        writes only the scratch block); return the rows of self.logits that hold the real
+        queries' logits (logits_rows'), in that copy too: its own would wait for the replay."""
         Q, Bp, W = key
         B, scratch = len(qlens), self.scratch_block * self.cache.block_size
         src, real = query_rows(np.cumsum(qlens) - qlens, qlens, Q)            # [B, Q] each
@@ -303,8 +354,12 @@ class CompiledDecoder:
         slot[:B] = np.where(real, slots[src], scratch)
         table = np.full((Bp, W), self.scratch_block, dtype=np.int64)
         table[:B, :tables.shape[1]] = tables[:, :W]
-        *parts, prow = self.staging.send([a.ravel() for a in (ids, pos, slot, table, prow)])
-        for static, part in zip((self.ids, self.positions, self.slots, self.tables), parts):
+        gather = np.zeros(self.max_logits, np.int64)    # a big bucket: its LM head's rows, first
+        if Q * Bp > self.max_logits:
+            gather[:len(prow)], prow = prow, np.arange(len(prow))
+        *parts, prow = self.staging.send([a.ravel() for a in (ids, pos, slot, table, gather, prow)])
+        for static, part in zip((self.ids, self.positions, self.slots, self.tables,
+                                 self.logits_rows), parts):
             static[:part.numel()].copy_(part)            # ... then into the graph's fixed addresses
         return prow
 
@@ -316,7 +371,9 @@ class CompiledDecoder:
             tables = dynamic(self.tables[:B * W].view(B, W), 0, 1)
             slots = dynamic(self.slots[:n], 0)
             layers = [LayerContext(c, slots, tables, q_pos) for c in self.layer_caches]
-            ctx = SimpleNamespace(layers=layers, logits_indices=None)          # all rows get logits
+            # all rows get logits, or (more rows than the logits buffer) the gathered ones
+            gather = self.logits_rows if n > self.max_logits else None
+            ctx = SimpleNamespace(layers=layers, logits_indices=gather)
             self.contexts[key] = (self.ids[:n], self.positions[:n], ctx)
         return self.contexts[key]
 
@@ -324,8 +381,8 @@ class CompiledDecoder:
         """The step itself: Transformer.forward's code over the compiled blocks."""
         ids, positions, ctx = self._bucket(key)
         with size_oblivious():
-            logits = type(self.model).forward(self.regions, ids, positions, ctx)    # [B*Q, V]
-        self.logits[:len(ids)].copy_(logits)
+            logits = type(self.model).forward(self.regions, ids, positions, ctx)    # [rows, V]
+        self.logits[:len(logits)].copy_(logits)
 
     def _run(self, key):
         """Run bucket `key` on what its static inputs hold: its CUDA graph's replay, or the step."""
@@ -341,23 +398,44 @@ class CompiledDecoder:
             self._forward(key)
         self.pool, self.graphs[key] = graph.pool(), graph
 
+    def buckets(self) -> list[tuple]:
+        """Every (Q, B, W) a step can use: Q = 1 over the row buckets (a row bucket past the
+        batch only where its table fits MAX_ROW_TABLE), Q > 1 over the batch buckets."""
+        return [(Q, B, W) for Q in self.query_sizes
+                for B in (self.row_sizes if Q == 1 else self.batch_sizes) for W in self.widths
+                if B <= self.batch_sizes[-1] or B * W <= MAX_ROW_TABLE]
+
     def warmup_buckets(self) -> list[tuple]:
         """The (Q, B, W) run at warm-up. CUDA: all, biggest first so the shared pool fits them. CPU,
-        per Q: batch 1 and max, narrowest; batch 1, widest: all guards crossed (int8's rows too)."""
+        per Q: batch 1 and max, narrowest; batch 1, widest; the most rows: all guards crossed."""
         if self.cuda:
-            keys = itertools.product(self.query_sizes, self.batch_sizes, self.widths)
-            return sorted(keys, key=lambda k: -k[0] * k[1] * k[2])
+            return sorted(self.buckets(), key=lambda k: -k[0] * k[1] * k[2])
         lo, hi = self.widths[0], self.widths[-1]
         return [k for Q in self.query_sizes
-                for k in ((Q, 1, lo), (Q, self.batch_sizes[-1], lo), (Q, 1, hi))]
+                for k in ((Q, 1, lo), (Q, self.batch_sizes[-1], lo), (Q, 1, hi))] + \
+            [(1, self.row_sizes[-1], lo)]
+
+    def largest_buckets(self) -> list[tuple]:
+        """The buckets whose step needs the most memory: the most queries at the widest table,
+        the most rows (their activations)."""
+        return [(self.query_sizes[-1], self.batch_sizes[-1], self.widths[-1]),
+                max(self.buckets(), key=lambda k: (k[0] * k[1], k[2]))]
+
+    def load_scratch(self, key):
+        """Load bucket `key`'s static inputs with no real row (writes go to the scratch block)."""
+        none = np.zeros(0, np.int64)
+        self._load(key, none, none, none, np.zeros((0, 1), np.int64), none)
 
     def scratch_step(self, key=None):
-        """Load bucket `key`'s static inputs with no real row (all writes go to the scratch block);
-        return its step. No key: the largest bucket (what step_memory's budget must hold)."""
-        key = key or (self.query_sizes[-1], self.batch_sizes[-1], self.widths[-1])
-        self._load(key, *[np.zeros(0, np.int64)] * 3, np.zeros((0, 1), np.int64),
-                   np.zeros(0, np.int64))
-        return lambda: self._forward(key)
+        """Bucket `key`'s step on scratch rows; no key: the largest buckets' steps (what
+        step_memory's budget must hold)."""
+        keys = [key] if key else self.largest_buckets()
+
+        def step():
+            for key in keys:
+                self.load_scratch(key)
+                self._forward(key)
+        return step
 
     @torch.inference_mode()                   # as LLM.step runs (grad mode is guarded on)
     def warmup(self) -> float:
@@ -365,7 +443,7 @@ class CompiledDecoder:
         (serve.py) scratch rows are reloaded first: the last step's slots are in others' blocks."""
         t0 = time.perf_counter()
         for key in self.warmup_buckets():
-            self.scratch_step(key)
+            self.load_scratch(key)
             self._record(key) if self.cuda and key not in self.graphs else self._run(key)
         if self.cuda:
             torch.cuda.synchronize(self.device)

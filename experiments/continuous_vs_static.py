@@ -23,16 +23,22 @@ WORKLOAD = {"cpu": dict(seats=16, engine={}), "cpu-quick": dict(seats=4, engine=
 # the requests: common.HETEROGENEOUS (64 of 16-256 tokens; the smoke run 8 of 4-32), shared with peer and serving
 
 
-def latency_stats(outs, t0, total_s):
+STEP_KINDS = ("graph_steps", "compiled_steps", "eager_steps")    # how each forward ran (engine.py)
+
+
+def latency_stats(outs, t0, total_s, stats_before=None, stats_after=None):
     """Throughput and the two latencies a user feels: time to first token (queueing + prefill,
-    from t0, when every request arrived) and time per output token after the first."""
+    from t0, when every request arrived) and time per output token after the first; with the
+    engine's stats before and after, how many steps replayed a CUDA graph, ran the compiled
+    blocks, or ran the eager model."""
     ttft = sorted(o.metrics.first_token_time - t0 for o in outs)
     tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
             for o in outs if len(o.token_ids) > 1]
     tokens = sum(len(o.token_ids) for o in outs)
+    steps = {k: stats_after[k] - stats_before[k] for k in STEP_KINDS} if stats_before else {}
     return {"requests": len(outs), "output_tokens": tokens, "tokens_per_s": tokens / total_s,
             "ttft_mean_s": statistics.mean(ttft), "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-            "tpot_mean_ms": statistics.mean(tpot) * 1e3, "seconds": total_s}
+            "tpot_mean_ms": statistics.mean(tpot) * 1e3, "seconds": total_s, **steps}
 
 
 def run(b):
@@ -45,13 +51,13 @@ def run(b):
         # The only difference between the runs: when a seat may be refilled, at the end of
         # the group (static) or at the very next step (continuous).
         b.progress("continuous-vs-static: static groups")
-        t0, outs = time.perf_counter(), []
+        t0, outs, before = time.perf_counter(), [], dict(llm.stats)
         for i in range(0, len(prompts), B):                                     # a group runs to completion
             outs += llm.generate(prompts[i:i + B], params[i:i + B])
-        static = latency_stats(outs, t0, time.perf_counter() - t0)
+        static = latency_stats(outs, t0, time.perf_counter() - t0, before, llm.stats)
         b.progress("continuous-vs-static: continuous")
-        t0 = time.perf_counter()
-        cont = latency_stats(llm.generate(prompts, params), t0, time.perf_counter() - t0)
+        t0, before = time.perf_counter(), dict(llm.stats)
+        cont = latency_stats(llm.generate(prompts, params), t0, time.perf_counter() - t0, before, llm.stats)
     fig = {"requests": len(prompts), "batch": B, "static": static, "continuous": cont,
            "throughput_speedup": cont["tokens_per_s"] / static["tokens_per_s"]}
     rows = [[name, r["tokens_per_s"], r["ttft_mean_s"], r["ttft_p90_s"], r["tpot_mean_ms"]]
@@ -60,7 +66,10 @@ def run(b):
     text = (f"{len(prompts)} requests, prompt and output lengths log-uniform in [{h.lo}, {h.hi}], "
             f"all arriving at t=0, batch {B}.\n\n" +
             table(["batching", "output tokens/s", "mean TTFT (s)", "p90 TTFT (s)", "mean TPOT (ms)"], rows) +
-            f"\n\nContinuous batching: {fig['throughput_speedup']:.2f}x the throughput of static batching.")
+            f"\n\nContinuous batching: {fig['throughput_speedup']:.2f}x the throughput of static batching." +
+            "".join(f"\n{name}: {r['graph_steps']} steps replayed a CUDA graph, {r['compiled_steps']} ran the "
+                    f"compiled blocks, {r['eager_steps']} the eager model." for name, r in (("static", static),
+                                                                                         ("continuous", cont))))
     return fig, text
 
 

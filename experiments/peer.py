@@ -18,7 +18,7 @@ from sampler import SamplingParams
 from support.checkpoint import PRESETS, RANDOM_PREFIX, parse_random_path
 
 from experiments.common import model_config, seats, table, workload
-from experiments.continuous_vs_static import latency_stats, static_and_continuous_steps
+from experiments.continuous_vs_static import STEP_KINDS, latency_stats, static_and_continuous_steps
 from experiments.plan import Phase, build_seconds, decode, prefill, seconds, weight_bytes
 
 NAME = "peer"
@@ -62,8 +62,8 @@ def run(b):
     b.progress("peer: nanoinfer")
     llm.generate([prompts[0]], params[0])
     with seats(llm, B):
-        t0 = time.perf_counter()
-        ours = latency_stats(llm.generate(prompts, params), t0, time.perf_counter() - t0)
+        t0, before = time.perf_counter(), dict(llm.stats)
+        ours = latency_stats(llm.generate(prompts, params), t0, time.perf_counter() - t0, before, llm.stats)
     try:
         hf = hf_llama(llm, b.path)
     except Exception as e:                        # e.g. a shape transformers' config refuses
@@ -85,7 +85,8 @@ def run(b):
     hf_s = time.perf_counter() - t0
     fig = {"requests": len(prompts), "nanoinfer_tokens": ours["output_tokens"], "transformers_tokens": tokens,
            "nanoinfer_tokens_per_s": ours["tokens_per_s"], "transformers_tokens_per_s": tokens / hf_s,
-           "speedup": ours["tokens_per_s"] / (tokens / hf_s), "compiled": llm.decoder is not None}
+           "speedup": ours["tokens_per_s"] / (tokens / hf_s), "compiled": llm.decoder is not None,
+           **{k: ours[k] for k in STEP_KINDS}}
     text = table(["engine", "output tokens/s"], [["nanoinfer (continuous batching)", ours["tokens_per_s"]],
                                                   [f"transformers generate (static batches of {B})", tokens / hf_s]])
     return fig, text + f"\n\nnanoinfer: {fig['speedup']:.2f}x the throughput of transformers' generate."

@@ -256,8 +256,8 @@ def profile(llm, args):
 # --- continuous -------------------------------------------------------------------
 def stage_continuous(args):
     """Where the continuous-vs-static run's time goes (bench's workload, 16 seats): every forward
-    timed (synchronized) by kind, decode-only (the CUDA graph) or mixed (a prefill chunk beside
-    decodes: the eager model), with its prefill tokens."""
+    timed (synchronized) by kind, decode-only or mixed (a prefill chunk beside decodes: a rows
+    graph, or the eager model past the largest rows bucket), with its prefill tokens."""
     from types import SimpleNamespace
 
     from experiments.common import seats, workload
@@ -271,11 +271,11 @@ def stage_continuous(args):
 
     def timed(batch, rows):
         sync()
-        t0 = time.perf_counter()
+        t0, eager = time.perf_counter(), llm.stats["eager_steps"]
         out = forward(batch, rows)
         sync()
         steps.append((max(it.count for it in batch) > 1, sum(it.count for it in batch if it.count > 1),
-                      len(batch), time.perf_counter() - t0))
+                      len(batch), time.perf_counter() - t0, llm.stats["eager_steps"] - eager))
         return out
     llm._forward, result = timed, {}
     with seats(llm, 16):
@@ -289,7 +289,8 @@ def stage_continuous(args):
             wall = time.perf_counter() - t0
             kinds = {kind: [s for s in steps if s[0] == mixed] for kind, mixed in (("decode", False), ("mixed", True))}
             result[name] = {"wall_s": wall, "forward_s": sum(s[3] for s in steps), **{
-                kind: {"steps": len(v), "seconds": sum(s[3] for s in v), "prefill_tokens": sum(s[1] for s in v),
+                kind: {"steps": len(v), "eager_steps": sum(s[4] for s in v),
+                       "seconds": sum(s[3] for s in v), "prefill_tokens": sum(s[1] for s in v),
                        "median_ms": 1e3 * statistics.median([s[3] for s in v]) if v else None,
                        "max_ms": 1e3 * max([s[3] for s in v], default=0)} for kind, v in kinds.items()}}
             save(args.out, f"continuous_{name}", result[name])

@@ -221,31 +221,38 @@ def test_compiled_verification_gives_the_eager_tokens(tiny_path):
 SIM_BLOCKS, SIM_BS = 4, 4                 # blocks per sequence, tokens per block; the scratch block is last
 
 
-def _sim_script(seed: int, n_seqs: int, max_q: int, steps: int):
-    """A schedule of compiled steps: per step, (sequence, tokens fed) for a varying subset of
+def _sim_script(seed: int, n_seqs: int, max_q: int, steps: int, chunk: int = 0):
+    """A schedule of compiled steps: per step, (sequence, tokens fed, chunk?) for a varying subset of
     sequences (the batch bucket changes), each feeding 1..max_q tokens (decode, ragged
-    verification), never past its SIM_BLOCKS blocks (the width bucket grows to the widest)."""
+    verification), or (chunk > 0, one sequence in three) a prefill chunk of up to `chunk` tokens
+    (a mixed step: rows), never past its SIM_BLOCKS blocks (the width bucket grows to the widest)."""
     rng, fed, script = random.Random(seed), [0] * n_seqs, []
     for _ in range(steps):
         live = [s for s in range(n_seqs) if fed[s] < SIM_BLOCKS * SIM_BS]
         if not live:
             break
         batch = sorted(rng.sample(live, rng.randint(1, len(live))))
-        step = [(s, min(rng.randint(1, max_q), SIM_BLOCKS * SIM_BS - fed[s])) for s in batch]
+        step = []
+        for s in batch:
+            is_chunk = chunk and rng.random() < 1 / 3
+            n = rng.randint(max_q + 1, chunk) if is_chunk else rng.randint(1, max_q)
+            step.append((s, min(n, SIM_BLOCKS * SIM_BS - fed[s]), is_chunk))
         script.append(step)
-        for s, n in step:
+        for s, n, _ in step:
             fed[s] += n
     return script
 
 
 def _sim_steps(model, cache, script, run, seed=0):
-    """Run the script through run(tokens, positions, slots, tables, query_lens, lens) -> logits
-    (every row's); returns the logits of each step. Sequence s owns blocks s*SIM_BLOCKS...;
+    """Run the script through run(tokens, positions, slots, tables, query_lens, lens, rows) ->
+    logits of `rows` (as the engine asks: every row of a decode or verification, the last of a
+    prefill chunk); returns the logits of each step. Sequence s owns blocks s*SIM_BLOCKS...;
     tables are padded with the scratch block; the token ids are random, not sampled (no feedback)."""
     rng, fed, outs = random.Random(seed + 1), {}, []
     for step in script:
-        tokens, positions, slots, tables, qlens, lens = [], [], [], [], [], []
-        for s, n in step:
+        tokens, positions, slots, tables, qlens, lens, rows = [], [], [], [], [], [], []
+        for s, n, is_chunk in step:
+            rows += range(len(tokens) + (n - 1 if is_chunk else 0), len(tokens) + n)
             start = fed.get(s, 0)
             table = [s * SIM_BLOCKS + j for j in range(SIM_BLOCKS)]
             tokens += [rng.randrange(model.config.vocab_size) for _ in range(n)]
@@ -256,7 +263,7 @@ def _sim_steps(model, cache, script, run, seed=0):
             lens.append(start + n)
             fed[s] = start + n
         with torch.inference_mode():
-            outs.append(run(tokens, positions, slots, np.array(tables), qlens, lens).clone())
+            outs.append(run(tokens, positions, slots, np.array(tables), qlens, lens, rows).clone())
     return outs
 
 
@@ -267,9 +274,9 @@ def _sim_compare(model, cache_cls, script, decoder_steps, atol=1e-4):
     ref_cache = cache_cls(model.config, n_blocks, SIM_BS, "cpu", torch.float32)
     dec_cache = cache_cls(model.config, n_blocks, SIM_BS, "cpu", torch.float32)
 
-    def eager(tokens, positions, slots, tables, qlens, lens):
+    def eager(tokens, positions, slots, tables, qlens, lens, rows):
         ctx = AttentionContext(ref_cache, torch.tensor(slots), torch.tensor(tables), lens, qlens)
-        return model(torch.tensor(tokens), torch.tensor(positions), ctx)
+        return model(torch.tensor(tokens), torch.tensor(positions), ctx)[rows]
     ref = _sim_steps(model, ref_cache, script, eager)
     got = _sim_steps(model, dec_cache, script, decoder_steps(dec_cache))
     for i, (a, b) in enumerate(zip(got, ref)):
@@ -281,15 +288,17 @@ def _sim_compare(model, cache_cls, script, decoder_steps, atol=1e-4):
                                        atol=atol, rtol=atol, msg=lambda m, n=name: f"cache {n}: {m}")
 
 
-def _decoder(model, query_sizes=(1,), warm=True):
-    """decoder_steps for _sim_compare: a CompiledDecoder for 4 sequences of SIM_BLOCKS blocks."""
+def _decoder(model, query_sizes=(1,), warm=True, max_rows=4):
+    """decoder_steps for _sim_compare: a CompiledDecoder for 4 sequences of SIM_BLOCKS blocks,
+    mixed steps of up to max_rows tokens as rows."""
     def make(cache):
         dec = CompiledDecoder(model, cache, max_num_seqs=4, max_blocks_per_seq=SIM_BLOCKS,
-                              scratch_block=4 * SIM_BLOCKS, query_sizes=query_sizes)
+                              scratch_block=4 * SIM_BLOCKS, query_sizes=query_sizes, max_rows=max_rows)
         if warm:
             dec.warmup()
         make.decoder = dec
-        return lambda tokens, positions, slots, tables, qlens, lens: dec(tokens, positions, slots, tables, qlens)
+        return lambda tokens, positions, slots, tables, qlens, lens, rows: dec(tokens, positions, slots, tables,
+                                                                               qlens, rows)
     return make
 
 
@@ -304,7 +313,9 @@ def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch):
     import graphs
     monkeypatch.setattr(graphs, "BACKEND", "aot_eager")
     model = tiny_model(seed=11)
-    _sim_compare(model, KVCache, _sim_script(0, 4, 1, 8), _decoder(model, warm=False))
+    make = _decoder(model, warm=False, max_rows=32)
+    _sim_compare(model, KVCache, _sim_script(0, 4, 1, 8, chunk=6), make)
+    assert make.decoder.row_steps > 0, "the script must hold mixed steps"
 
 
 @pytest.mark.timeout(600)
@@ -313,8 +324,9 @@ def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch):
 def test_cuda_graph_steps_equal_eager(variant):
     """Through the capture simulator: warm-up records EVERY (Q, B, W) bucket as one graph,
     biggest first, in one shared pool, and each step is a replay. Every step's logits and the
-    cache equal the eager steps': decodes and ragged k+1 verifications over changing batch and
-    width buckets; "int8": int8 weights (the fused product) over the int8 KV cache."""
+    cache equal the eager steps': decodes, ragged k+1 verifications and mixed steps (prefill
+    chunks beside them, as rows) over changing batch and width buckets; "int8": int8 weights
+    (the fused product) over the int8 KV cache."""
     from cuda_sim import simulate_cuda
 
     import quantize
@@ -323,34 +335,42 @@ def test_cuda_graph_steps_equal_eager(variant):
         model = quantize.quantize_model(model)
     max_q = 1 if variant == "int8" else 4                 # int8: decode steps only (fewer graphs)
     with simulate_cuda() as sim:
-        make = _decoder(model, query_sizes=(1, max_q))
-        _sim_compare(model, Int8KVCache if variant == "int8" else KVCache, _sim_script(1, 4, max_q, 8), make)
+        make = _decoder(model, query_sizes=(1, max_q), max_rows=16)
+        _sim_compare(model, Int8KVCache if variant == "int8" else KVCache,
+                     _sim_script(1, 4, max_q, 8, chunk=max_q + 4), make)
     dec = make.decoder
-    assert len(dec.graphs) == len(dec.query_sizes) * len(dec.batch_sizes) * len(dec.widths) == len(sim.graphs)
+    assert dec.row_sizes == [1, 2, 4, 8, 16]
+    assert len(dec.graphs) == len(dec.buckets()) == len(sim.graphs) == len(dec.widths) * (5 + (max_q > 1) * 3)
     sizes = [k[0] * k[1] * k[2] for k in dec.graphs]
     assert sizes == sorted(sizes, reverse=True), "recorded biggest first: the shared pool grows once"
     assert len({g.pool_id for g in sim.graphs}) == 1, "one memory pool shared by every bucket's graph"
     assert sim.replays >= 8 and sim.syncs >= len(sim.graphs)
     assert sum(dec.steps.values()) == 8 and (variant == "int8" or dec.steps[4] > 0)
+    assert dec.row_steps > 0, "mixed steps replayed a graph too"
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
 def test_cuda_graph_engine_gives_the_eager_tokens(tiny_path):
     """The whole engine on the simulated CUDA path: requests join and finish at different steps
-    (prefill chunks run eagerly between replays), n-gram drafts are verified in k + 1 = 4-token
-    replays, and the greedy tokens are the plain eager engine's."""
+    (their prefill chunks beside the running decodes replay a rows bucket: no eager forward),
+    n-gram drafts are verified in k + 1 = 4-token replays, and the greedy tokens are the plain
+    eager engine's."""
     from cuda_sim import simulate_cuda
     prompts = [[5, 6, 7, 8] * 5, list(range(100, 110)) * 3, [42] * 5, [9, 8, 7, 6]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 12, 16, 9)]
-    kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 17, block_size=16)
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 17, block_size=16,
+              max_num_batched_tokens=32)
     eager = run_staggered(LLM(tiny_path, **kw), prompts, params)
     with simulate_cuda() as sim:
         llm = LLM(tiny_path, compile=True, speculative="ngram", num_speculative_tokens=3, **kw)
-        assert len(llm.decoder.graphs) == len(sim.graphs) == 2 * 3 * len(llm.decoder.widths)
+        assert llm.decoder.row_sizes == [1, 2, 4, 8, 16, 32]
+        assert len(llm.decoder.graphs) == len(sim.graphs) == (6 + 3) * len(llm.decoder.widths)
         outs = run_staggered(llm, prompts, params)
     assert outs == eager, "the CUDA-graph engine changed a greedy output"
     assert llm.decoder.steps[1] > 0 and llm.decoder.steps[4] > 0 and sim.replays == sum(llm.decoder.steps.values())
+    assert llm.decoder.row_steps > 0 and llm.stats["eager_steps"] == 0, "every step replays a graph"
+    assert llm.stats["graph_steps"] == llm.stats["steps"] == sim.replays
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
@@ -495,10 +515,11 @@ def test_step_memory_measures_the_largest_bucket(monkeypatch):
     V, meter = model.config.vocab_size, MemoryMeter()
     pool = lambda: KVCache(model.config, 1, 4, "cpu", torch.float32)       # noqa: E731 (one block: the scratch)
     make = lambda: CompiledDecoder(model, pool(), max_num_seqs=5, max_blocks_per_seq=6,   # noqa: E731
-                                   scratch_block=0, query_sizes=(1, 3)).scratch_step()
+                                   scratch_block=0, query_sizes=(1, 3), max_rows=32).scratch_step()
     with meter:
         eager, graphs = (step_memory(make, "cpu", graphs, memory=meter) for graphs in (False, True))
-    assert run == [(3, 8, 8)] * 4, "the largest bucket (Q 3, batch 8, width 8), twice per measurement"
+    assert run == [(3, 8, 8), (1, 32, 8)] * 4, \
+        "the largest buckets (Q 3, batch 8, width 8; 32 rows, width 8), twice per measurement"
     logits = 3 * 8 * V * 4                                         # [B*Q, V] float32: static, and a temporary
     assert eager >= 2 * logits and graphs - eager >= logits, (eager, graphs)
     assert graphs - eager < eager, "the temporaries are counted once more, not the static buffers"
