@@ -142,23 +142,25 @@ def dense_causal_attention(q, k, v, window: int | None = None):
 
 class Attention(nn.Module):
     """Grouped-query attention: H query heads, n_kv key/value heads. The KV cache
-    scales with n_kv, not H: SmolLM2's 9 query heads over 3 KV heads, a 3x smaller cache."""
+    scales with n_kv, not H: SmolLM2's 9 query heads over 3 KV heads, a 3x smaller cache.
+    q, k and v read the same x: ONE linear of their stacked rows, [(H + 2 n_kv) d, D] (vLLM's
+    QKVParallelLinear, gpt-fast's wqkv). A decode step streams one wide weight instead of three,
+    two of them narrow (k, v: n_kv d rows, too few to keep a GPU's memory busy)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx, self.window = layer_idx, cfg.sliding_window    # window: Mistral's W or None
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         b = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=b)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=b)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=b)
+        # Hugging Face's q_proj, k_proj, v_proj, stacked at load (FUSED below)
+        rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.dim, rows, bias=b)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=b)
 
     def forward(self, x, cos, sin, ctx):
-        N = x.shape[0]
-        q = self.q_proj(x).view(N, self.n_heads, self.head_dim)      # [N, H, d]
-        k = self.k_proj(x).view(N, self.n_kv_heads, self.head_dim)   # [N, n_kv, d]
-        v = self.v_proj(x).view(N, self.n_kv_heads, self.head_dim)   # [N, n_kv, d]
+        N, H, KV, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split([H * d, KV * d, KV * d], dim=-1)
+        q, k, v = q.view(N, H, d), k.view(N, KV, d), v.view(N, KV, d)   # [N, H or n_kv, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx is None:
             out = dense_causal_attention(q, k, v, self.window)       # no cache: one sequence
@@ -168,16 +170,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). Two-thirds of the weights live here."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Two-thirds of the weights live here. gate and up
+    read the same x: one linear of their stacked rows, as q/k/v above."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)   # [gate; up] rows
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)                       # [N, F] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -195,9 +198,14 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# Hugging Face stores each stacked linear as separate matrices: loading stacks their rows in this
+# order (vLLM's "stacked params"), and support.checkpoint.hf_state_dict splits them back.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 class Transformer(nn.Module):
-    """The whole decoder. Submodule names follow Hugging Face's LlamaForCausalLM
-    (minus its "model." prefix) so a checkpoint's state dict loads as is."""
+    """The whole decoder. Submodule names follow Hugging Face's LlamaForCausalLM (minus its
+    "model." prefix; q/k/v and gate/up stacked, FUSED) so a checkpoint loads as is."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -291,6 +299,13 @@ def load_model(path, device="cpu", dtype=torch.float32):
                   lambda expected: checkpoint.read_tensors(path, cfg, expected, device, dtype))
 
 
+def fused_rows(cfg: ModelConfig) -> dict:
+    """{stacked linear: [(Hugging Face part, its rows), ...]} (FUSED, with this config's sizes)."""
+    qkv = [cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2
+    sizes = {"qkv_proj": qkv, "gate_up_proj": [cfg.ffn_dim] * 2}
+    return {name: list(zip(FUSED[name], sizes[name])) for name in FUSED}
+
+
 def random_weights(cfg: ModelConfig, seed: int = 0, device="cpu", dtype=torch.float32):
     """A Transformer for cfg with seeded random weights on `device` in `dtype`, scaled so
     activations stay finite through any depth: timings are real (shapes and bytes); text is not."""
@@ -299,13 +314,16 @@ def random_weights(cfg: ModelConfig, seed: int = 0, device="cpu", dtype=torch.fl
 
 
 def _build(cfg: ModelConfig, device, tensors_for):
-    """Build on the meta device, get {name: tensor} for its {name: shape}, assign them."""
+    """Build on the meta device, get {Hugging Face name: tensor} for its {name: shape} (each
+    stacked linear as its parts), stack them, assign them."""
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         expected.pop("lm_head.weight")      # shares embed_tokens.weight
-    params = {k: nn.Parameter(t, requires_grad=False) for k, t in tensors_for(expected).items()}
+    parts = fused_rows(cfg)
+    tensors = checkpoint.stack_fused(tensors_for(checkpoint.unstacked(expected, parts)), parts)
+    params = {k: nn.Parameter(t, requires_grad=False) for k, t in tensors.items()}
     model.load_state_dict(params, strict=False, assign=True)   # completeness was checked by support
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

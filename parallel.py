@@ -89,12 +89,14 @@ class Collectives(CollectiveCounters):
 # --- The parallel layers: each keeps its slice in an inner nn.Linear / Int8Linear / nn.Embedding,
 # so code that walks those still works (timing.choose_weight_layout, quantize.decode_weight_bytes).
 
-def _narrow_(module: nn.Module, name: str, dim: int, rank: int, world_size: int):
+def _narrow_(module: nn.Module, name: str, dim: int, rank: int, world_size: int, parts=None):
     """Keep rank's 1/world_size of module.<name> along dim, in place: a copy, since a view
-    keeps the whole tensor alive."""
+    keeps the whole tensor alive. parts (a stacked linear's row counts, model.FUSED): rank's
+    1/world_size of EACH part (its q heads, k heads and v heads), stacked again."""
     t = getattr(module, name)
-    size = t.shape[dim] // world_size
-    piece = t.detach().narrow(dim, rank * size, size).clone()
+    pieces = t.detach().split(parts or [t.shape[dim]], dim)
+    piece = torch.cat([p.narrow(dim, rank * p.shape[dim] // world_size, p.shape[dim] // world_size)
+                       for p in pieces], dim)
     if isinstance(t, nn.Parameter):
         piece = nn.Parameter(piece, requires_grad=False)
     setattr(module, name, piece)
@@ -104,13 +106,14 @@ class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T: rank r owns output features [r*out/N, (r+1)*out/N) (int8: with their
     scales); the output [T, out/N] stays split, as the next op works on whole heads or columns."""
 
-    def __init__(self, linear, rank: int, world_size: int, comm: Collectives | None = None):
+    def __init__(self, linear, rank: int, world_size: int, comm: Collectives | None = None,
+                 parts: list[int] | None = None):
         super().__init__()
         check_shardable(linear, (nn.Linear, Int8Linear))        # once, right after loading
         # assignment: tensor-parallel
         for name in ("weight", "bias", "scale"):                 # W [out, in], b [out], scale [out]
             if getattr(linear, name, None) is not None:
-                _narrow_(linear, name, 0, rank, world_size)
+                _narrow_(linear, name, 0, rank, world_size, parts)   # stacked: each part's slice
         linear.out_features //= world_size
         # end assignment
         self.linear = linear                                     # [out/N, in]
@@ -199,13 +202,12 @@ def shard_model(model, rank: int, world_size: int, comm: Collectives | None = No
     tied = model.lm_head.weight is model.embed_tokens.weight
     for block in model.layers:
         a, m = block.self_attn, block.mlp
-        a.q_proj = ColumnParallelLinear(a.q_proj, rank, world_size)          # its own heads
-        a.k_proj = ColumnParallelLinear(a.k_proj, rank, world_size)
-        a.v_proj = ColumnParallelLinear(a.v_proj, rank, world_size)
+        qkv = [a.n_heads * a.head_dim] + [a.n_kv_heads * a.head_dim] * 2    # its q, k, v heads
+        a.qkv_proj = ColumnParallelLinear(a.qkv_proj, rank, world_size, parts=qkv)
         a.o_proj = RowParallelLinear(a.o_proj, rank, world_size, comm)       # all-reduce #1
         a.n_heads, a.n_kv_heads = a.n_heads // world_size, a.n_kv_heads // world_size
-        m.gate_proj = ColumnParallelLinear(m.gate_proj, rank, world_size)    # its FFN columns
-        m.up_proj = ColumnParallelLinear(m.up_proj, rank, world_size)
+        m.gate_up_proj = ColumnParallelLinear(m.gate_up_proj, rank, world_size,   # its gate and
+                                              parts=[cfg.ffn_dim] * 2)            # up columns
         m.down_proj = RowParallelLinear(m.down_proj, rank, world_size, comm) # all-reduce #2
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, rank, world_size, comm)
     model.lm_head = VocabParallelHead(model.lm_head, rank, world_size, comm)

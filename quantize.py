@@ -28,6 +28,8 @@ copy. LLM(quantization=...) calls quantize_model() after load_model(); LLM(kv_ca
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -302,15 +304,16 @@ def awq_search(x: torch.Tensor, weight: torch.Tensor, group: int):
 def awq_scale(model: nn.Module, calibration: list[int]) -> list[float]:
     """Fold AWQ's scales into the float `model`, the same function: per group of linears that
     read one input (seen in one forward pass over the calibration token ids: q/k/v, gate/up,
-    down, the LM head), W[:, i] *= s_i and its producer (an RMSNorm's weight, or up_proj's row
-    i for down_proj; model.py's MLP has no bias) /= s_i. Not o_proj: under GQA its input
+    down, the LM head), W[:, i] *= s_i and its producer (an RMSNorm's weight, or up's row i
+    for down_proj; model.py's MLP has no bias) /= s_i. Not o_proj: under GQA its input
     channels are V's rows, shared by query heads. Returns the alphas."""
     groups = []                                            # (producer, [linears reading it])
     for blk in model.layers:
         a, m = blk.self_attn, blk.mlp
-        groups += [(blk.input_layernorm, [a.q_proj, a.k_proj, a.v_proj]),
-                   (blk.post_attention_layernorm, [m.gate_proj, m.up_proj]),
-                   (m.up_proj, [m.down_proj])]
+        up = SimpleNamespace(weight=m.gate_up_proj.weight.chunk(2)[1])    # up's rows (a view)
+        groups += [(blk.input_layernorm, [a.qkv_proj]),
+                   (blk.post_attention_layernorm, [m.gate_up_proj]),
+                   (up, [m.down_proj])]
     if model.lm_head.weight is model.embed_tokens.weight:   # tied: the head scales a copy
         model.lm_head.weight = nn.Parameter(model.lm_head.weight.clone(), requires_grad=False)
     groups.append((model.norm, [model.lm_head]))

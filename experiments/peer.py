@@ -14,8 +14,9 @@ import time
 import torch
 
 from cache import kv_cache_bytes
+from model import fused_rows
 from sampler import SamplingParams
-from support.checkpoint import PRESETS, RANDOM_PREFIX, parse_random_path
+from support.checkpoint import PRESETS, RANDOM_PREFIX, hf_state_dict, parse_random_path
 
 from experiments.common import model_config, seats, table, workload
 from experiments.continuous_vs_static import STEP_KINDS, latency_stats, static_and_continuous_steps
@@ -43,7 +44,8 @@ def hf_llama(llm, path: str):
             hf = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(old)
-    ours = {("" if k == "lm_head.weight" else "model.") + k: v for k, v in llm.model.state_dict().items()}
+    ours = {("" if k == "lm_head.weight" else "model.") + k: v
+            for k, v in hf_state_dict(llm.model.state_dict(), fused_rows(llm.config)).items()}
     missing, unexpected = hf.load_state_dict(ours, strict=False)
     if missing or unexpected:
         raise ValueError(f"transformers' Llama and nanoinfer's disagree: missing {missing}, unexpected {unexpected}")

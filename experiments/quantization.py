@@ -95,7 +95,7 @@ def paged_perplexity(llm, ids: list[int], chunk: int = 256) -> float:
 
 @torch.inference_mode()
 def outlier_columns(model: torch.nn.Module, token_ids: list[int], window: int = 512) -> dict:
-    """LLM.int8()'s outliers in each kind of linear (q_proj, ..., lm_head), over one dense pass of `window`
+    """LLM.int8()'s outliers in each kind of linear (qkv_proj, ..., lm_head), over one dense pass of `window`
     tokens: {kind: (share of input columns holding a |value| > OUTLIER in the window, share of the values
     above it: a decode step's single row sends about that share of columns through the float product)},
     each the mean over the layers."""

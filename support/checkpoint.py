@@ -263,6 +263,55 @@ def read_tensors(path, cfg, expected: dict, device="cpu", dtype=torch.float32) -
     return tensors
 
 
+def unstacked(expected: dict, parts: dict) -> dict:
+    """{name: shape} with each stacked linear's tensors (parts: {"qkv_proj": [("q_proj", rows),
+    ...]}) as its Hugging Face parts: what a checkpoint holds."""
+    out = {}
+    for name, shape in expected.items():
+        prefix, module, param = _split_name(name)
+        for part, rows in parts.get(module, [(module, shape[0] if shape else None)]):
+            out[f"{prefix}{part}.{param}"] = (rows, *shape[1:]) if module in parts else shape
+    return out
+
+
+def stack_fused(tensors: dict, parts: dict) -> dict:
+    """{Hugging Face name: tensor} -> each stacked linear's parts concatenated along their rows,
+    in parts' order (each part freed once stacked: the peak is one stacked tensor more)."""
+    out = {}
+    for name in list(tensors):
+        if name not in tensors:
+            continue
+        prefix, module, param = _split_name(name)
+        fused = next((f for f, ps in parts.items() if module in dict(ps)), None)
+        if fused is None:
+            out[name] = tensors.pop(name)
+            continue
+        out[f"{prefix}{fused}.{param}"] = torch.cat(
+            [tensors.pop(f"{prefix}{part}.{param}") for part, _ in parts[fused]])
+    return out
+
+
+def hf_state_dict(state_dict: dict, parts: dict) -> dict:
+    """A model's state dict under Hugging Face's names: each stacked linear split back into its
+    parts (views), for transformers' LlamaForCausalLM and for writing a checkpoint."""
+    out = {}
+    for name, t in state_dict.items():
+        prefix, module, param = _split_name(name)
+        if module not in parts:
+            out[name] = t
+            continue
+        names, rows = zip(*parts[module])
+        out.update((f"{prefix}{n}.{param}", p) for n, p in zip(names, t.split(list(rows))))
+    return out
+
+
+def _split_name(name: str) -> tuple[str, str, str]:
+    """"layers.0.self_attn.qkv_proj.weight" -> ("layers.0.self_attn.", "qkv_proj", "weight")."""
+    head, _, param = name.rpartition(".")
+    prefix, _, module = head.rpartition(".")
+    return (prefix + "." if prefix else ""), module, param
+
+
 def _weight_files(path: str) -> list[str]:
     """The safetensors files: the shards model.safetensors.index.json lists, else every
     *.safetensors."""

@@ -14,7 +14,14 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
-from model import ModelConfig, Transformer, default_model_path  # noqa: E402
+from model import ModelConfig, Transformer, default_model_path, fused_rows  # noqa: E402
+from support.checkpoint import hf_state_dict  # noqa: E402
+
+
+def hf_sd(model) -> dict:
+    """A model's state dict under Hugging Face's names (q_proj, k_proj, v_proj, gate_proj, up_proj:
+    model.FUSED's parts, split back)."""
+    return hf_state_dict(model.state_dict(), fused_rows(model.config))
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -55,8 +62,8 @@ def save_checkpoint(model, directory, tokenizer_from=None):
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg, f)
     tied = c.tie_embeddings
-    sd = {("" if k == "lm_head.weight" else "model.") + k: v.contiguous()
-          for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    sd = {("" if k == "lm_head.weight" else "model.") + k: v.contiguous()    # Hugging Face's names
+          for k, v in hf_sd(model).items() if not (tied and k == "lm_head.weight")}
     save_file(sd, os.path.join(directory, "model.safetensors"))
     src = tokenizer_from or default_model_path()
     for name in ("tokenizer.json", "tokenizer_config.json"):

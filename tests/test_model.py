@@ -45,12 +45,13 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FIXTURES, tiny_config, tiny_model
+from helpers import FIXTURES, hf_sd, tiny_config, tiny_model
 from safetensors.torch import load_file
 
 import support.default_model as default_model
-from model import (ModelConfig, RMSNorm, Transformer, apply_rope, dense_causal_attention, generate, in_window,
-                   load_model, read_config, rope_frequencies)
+from model import (ModelConfig, RMSNorm, Transformer, apply_rope, dense_causal_attention, fused_rows, generate,
+                   in_window, load_model, read_config, rope_frequencies)
+from support.checkpoint import stack_fused
 
 GOLDEN = load_file(os.path.join(FIXTURES, "model_golden.safetensors"))
 
@@ -174,12 +175,12 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     each K/V head's weights are copied to the G query heads that share it."""
     gqa = tiny_model(n_heads=6, n_kv_heads=2)
     mha = Transformer(tiny_config(n_heads=6, n_kv_heads=6)).eval()
-    sd = gqa.state_dict()
+    sd = hf_sd(gqa)                                             # q_proj, k_proj, v_proj apart
     for name in list(sd):
         if name.endswith(("k_proj.weight", "v_proj.weight")):   # [n_kv*d, D] -> [H*d, D]
             w = sd[name].view(2, 16, 64)
             sd[name] = w.repeat_interleave(3, dim=0).reshape(6 * 16, 64)
-    mha.load_state_dict(sd)
+    mha.load_state_dict(stack_fused(sd, fused_rows(mha.config)))
     ids = torch.randint(0, 512, (20,))
     pos = torch.arange(20)
     assert torch.allclose(gqa(ids, pos), mha(ids, pos), atol=1e-4)
@@ -674,7 +675,7 @@ def test_preset_has_the_published_shapes_on_the_meta_device(name):
                 cfg.rope_scaling["original_max_position_embeddings"]) == (1.0, 4.0, 8192), "Llama 3.1 rope scaling"
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters()), "meta allocates nothing"
     assert sum(p.numel() for p in model.parameters()) == count, "tied embeddings counted once"
-    assert model.layers[0].self_attn.k_proj.weight.shape == (kv * hd, dim)
+    assert model.layers[0].self_attn.qkv_proj.weight.shape == ((heads + 2 * kv) * hd, dim), "q, k, v stacked"
     assert (model.lm_head.weight is model.embed_tokens.weight) == tied
     assert cfg.random_seed == 0, "a random model's config says its weights are random"
 
@@ -698,7 +699,7 @@ def test_random_weights_are_seeded():
     a, _ = load_model("random:tiny")
     b, _ = load_model("random:tiny:seed=0")
     c, _ = load_model("random:tiny:seed=1")
-    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    sa, sb, sc = hf_sd(a), hf_sd(b), hf_sd(c)
     assert all(torch.equal(sa[k], sb[k]) for k in sa), "the default seed is 0: the same weights every run"
     assert not torch.equal(sa["layers.0.self_attn.q_proj.weight"], sc["layers.0.self_attn.q_proj.weight"])
     assert not torch.equal(sa["layers.0.self_attn.q_proj.weight"], sa["layers.1.self_attn.q_proj.weight"]), \
@@ -777,8 +778,8 @@ def test_preset_options_set_kv_heads_and_window_on_the_same_body():
     gqa, _ = load_model("random:tiny:seed=2")
     mqa, cfg = load_model("random:tiny:kv_heads=1:sliding_window=8:seed=2")
     assert (cfg.n_kv_heads, cfg.sliding_window) == (1, 8)
-    for name, t in gqa.state_dict().items():
-        other = mqa.state_dict()[name]
+    for name, t in hf_sd(gqa).items():
+        other = hf_sd(mqa)[name]
         if name.endswith(("k_proj.weight", "v_proj.weight")):
             assert other.shape == (16, 64) and t.shape == (32, 64)
         else:
@@ -941,7 +942,7 @@ def test_synthetic_gguf_converts_exactly(tmp_path):
     from tokenizer import Tokenizer
     src = tiny_model(seed=3, dim=32, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64, vocab_size=259,
                      tie_embeddings=False)
-    sd = {("" if k == "lm_head.weight" else "model.") + k: v for k, v in src.state_dict().items()}
+    sd = {("" if k == "lm_head.weight" else "model.") + k: v for k, v in hf_sd(src).items()}
     stored = write_tiny_gguf(tmp_path / "tiny.gguf", sd, n_heads=4, n_kv=2, head_dim=16)
     out = tmp_path / "out"
     out.mkdir()

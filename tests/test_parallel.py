@@ -153,19 +153,23 @@ def test_shard_model_keeps_each_ranks_slice(quantized):
             quantize_model(m, "int8")
         shards.append(shard_model(m, rank, 2))
     a0, a1, af = (m.layers[1].self_attn for m in (*shards, full))
-    for name in ("q_proj", "k_proj", "v_proj"):
-        cat = torch.cat([getattr(a, name).linear.weight for a in (a0, a1)], dim=0)
-        assert torch.equal(cat, getattr(af, name).weight), f"{name}: ranks must own consecutive output rows"
-        assert isinstance(getattr(a0, name), ColumnParallelLinear)
-    assert isinstance(a0.o_proj, RowParallelLinear)
+    rows = {"q_proj": 6 * 16, "k_proj": 2 * 16, "v_proj": 2 * 16}          # tiny: 6 heads, 2 KV heads of 16
+    parts = lambda t, r: t.split([n // r for n in rows.values()])          # noqa: E731 (q, k, v of q/k/v stacked)
+    for i, name in enumerate(rows):                                         # each rank: its heads of EACH part
+        cat = torch.cat([parts(a.qkv_proj.linear.weight, 2)[i] for a in (a0, a1)], dim=0)
+        assert torch.equal(cat, parts(af.qkv_proj.weight, 1)[i]), f"{name}: ranks must own consecutive rows of it"
+    assert isinstance(a0.qkv_proj, ColumnParallelLinear) and isinstance(a0.o_proj, RowParallelLinear)
     assert torch.equal(torch.cat([a0.o_proj.linear.weight, a1.o_proj.linear.weight], 1), af.o_proj.weight)
     mlp0, mlp1, mlpf = (m.layers[0].mlp for m in (*shards, full))
     assert torch.equal(torch.cat([mlp0.down_proj.linear.weight, mlp1.down_proj.linear.weight], 1),
                        mlpf.down_proj.weight), "down_proj: ranks must own consecutive input columns"
-    assert torch.equal(torch.cat([mlp0.up_proj.linear.weight, mlp1.up_proj.linear.weight], 0), mlpf.up_proj.weight)
+    up = lambda t: t.chunk(2)[1]                                             # noqa: E731 (up: gate/up's second half)
+    assert torch.equal(torch.cat([up(mlp0.gate_up_proj.linear.weight), up(mlp1.gate_up_proj.linear.weight)], 0),
+                       up(mlpf.gate_up_proj.weight)), "up_proj: ranks must own consecutive rows of it"
     if quantized:
-        assert torch.equal(torch.cat([a0.q_proj.linear.scale, a1.q_proj.linear.scale]), af.q_proj.scale), \
-            "column-parallel int8: the scales are sliced with their rows"
+        q = lambda t, r: t[:6 * 16 // r]                                     # noqa: E731 (q's rows of q/k/v)
+        assert torch.equal(torch.cat([q(a0.qkv_proj.linear.scale, 2), q(a1.qkv_proj.linear.scale, 2)]),
+                           q(af.qkv_proj.scale, 1)), "column-parallel int8: the scales are sliced with their rows"
         assert torch.equal(a0.o_proj.linear.scale, af.o_proj.scale), "row-parallel int8 keeps every row's scale"
     # heads per rank, in the modules and in the config the KV cache is built from
     assert (a0.n_heads, a0.n_kv_heads) == (3, 1)
