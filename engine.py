@@ -22,7 +22,6 @@ drafter. Every option is declared once, in EngineConfig, with its default and it
     llm = LLM("path/or/random:preset", max_num_seqs=64)   # or LLM(EngineConfig(...))
     llm.generate(["prompt", ...], SamplingParams(max_tokens=64))
 
-(`from scheduler import LLM, SamplingParams` still works: scheduler.py hands the names on.)
 """
 from __future__ import annotations
 

@@ -171,11 +171,3 @@ class Scheduler:
         for hook in self.release_hooks:
             hook(seq)
         seq.status = FINISHED
-
-
-# `from scheduler import LLM, SamplingParams` (README, tests): engine.py's, imported when asked for
-def __getattr__(name: str):
-    if name in ("LLM", "EngineConfig", "SamplingParams", "make_kv_pool"):
-        import engine
-        return getattr(engine, name)
-    raise AttributeError(f"module 'scheduler' has no attribute {name!r}")

@@ -140,7 +140,7 @@ def sdpa_backends():
 
 # --- decode --------------------------------------------------------------------
 def engine(args, **kw):
-    from scheduler import LLM
+    from engine import LLM
     t0 = time.perf_counter()
     llm = LLM(f"random:{args.preset}", device=args.device, dtype="bfloat16", compile=True,
               max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.pool_gib * 2**30),

@@ -196,6 +196,9 @@ def test_kv_cache(results):
         assert p["same_tokens"], "the KV cache changed the greedy tokens"
         assert p["shared_tokens"] == p["tokens"]
     assert "max_logit_diff_vs_float32" not in r, "float32 paths are compared by exact equality"
+    assert [p["context"] for p in r["contexts"]] == [32, 64], "one step each way at each context T"
+    for p in r["contexts"]:
+        assert p["naive_ms"] > 0 and p["cached_ms"] > 0 and p["speedup"] == pytest.approx(p["naive_ms"] / p["cached_ms"])
 
 
 @pytest.mark.timeout(600)
@@ -615,7 +618,9 @@ def synthetic_results():
     kv = {"prompt_tokens": 32, "lengths": [{"tokens": 8, "naive_ms_per_token": 3.0, "cached_ms_per_token": 1.0,
                                             "speedup": 3.0},
                                            {"tokens": 16, "naive_ms_per_token": 5.0, "cached_ms_per_token": 1.1,
-                                            "speedup": 4.5}]}
+                                            "speedup": 4.5}],
+          "contexts": [{"context": 1024, "naive_ms": 30.0, "cached_ms": 6.0, "speedup": 5.0},
+                       {"context": 4096, "naive_ms": 90.0, "cached_ms": 6.5, "speedup": 13.8}]}
     spec = {"runs": [{"workload": w, "drafter": "ngram", "k": k, "alpha": a, "speedup": s, "predicted_speedup": p}
                      for w, a, ks in (("copy-heavy", 0.9, ((1, 1.5, 1.6), (4, 3.0, 3.2))),
                                       ("open-ended", 0.1, ((1, 0.9, 0.95), (4, 0.8, 0.85))))
@@ -698,7 +703,9 @@ def test_batching_kv_speculative_plots_carry_the_measured_values():
     knees = [v for k, v in lines(fig).items() if k.startswith("knee")]
     assert knees and all(x == [4, 4] for x, _ in knees), "the knee marked at its batch"
     fig = PLOTS["kv-cache"](rs["kv-cache"])
-    assert line(fig, "naive") == ([8, 16], [3.0, 5.0]) and line(fig, "KV cache") == ([8, 16], [1.0, 1.1])
+    assert line(fig, "naive:") == ([8, 16], [3.0, 5.0]) and line(fig, "KV cache:") == ([8, 16], [1.0, 1.1])
+    assert line(fig, "naive step") == ([1024, 4096], [30.0, 90.0])
+    assert line(fig, "KV cache step") == ([1024, 4096], [6.0, 6.5]), "one step at context T, each way"
     fig = PLOTS["speculative"](rs["speculative"])
     assert line(fig, "copy-heavy, ngram: measured") == ([1, 4], [1.5, 3.0])
     assert line(fig, "copy-heavy, ngram: predicted") == ([1, 4], [1.6, 3.2])

@@ -32,7 +32,7 @@ from cache import AttentionContext, KVCache
 from graphs import CompiledDecoder, batch_buckets, bucket, size_oblivious, width_buckets
 from kernels import QueryGroup, StepContext
 from quantize import Int8KVCache
-from scheduler import LLM, SamplingParams
+from engine import LLM, SamplingParams
 from support.timing import choose_weight_layout
 
 

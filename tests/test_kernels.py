@@ -38,7 +38,7 @@ from cache import BlockManager
 from graphs import StepInputs, size_oblivious
 from kernels import batched_paged_attention, paged_attention_in_place
 from quantize import Int8KVCache
-from scheduler import LLM, SamplingParams
+from engine import LLM, SamplingParams
 
 
 @pytest.fixture(autouse=True)

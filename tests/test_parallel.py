@@ -415,7 +415,7 @@ def test_engine_n2_equals_n1_batched_chunked_preempted(tiny_dir):
     batch, chunked prefills, a fork (n = 2) and preemptions; a pool sized by
     the same byte budget holds twice the tokens; close() leaves no worker."""
     close_groups()
-    from scheduler import LLM, SamplingParams
+    from engine import LLM, SamplingParams
     prompts = [list(range(5, 5 + 9 * i)) for i in range(1, 6)]
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 4 + [SamplingParams(max_tokens=6, n=2, seed=1,
                                                                                     temperature=1.0)]
@@ -442,7 +442,7 @@ def test_engine_n2_equals_n1_batched_chunked_preempted(tiny_dir):
 UNGUARDED_SCRIPT = """
 import dataclasses
 import json
-from scheduler import LLM, SamplingParams
+from engine import LLM, SamplingParams
 llm = LLM(path={path!r}, tensor_parallel_size=2, kv_cache_bytes=1 << 20)
 outs = llm.generate({prompts!r}, SamplingParams(max_tokens=8, ignore_eos=True))
 print(json.dumps({{"tokens": [o.token_ids for o in outs], "pids": llm.tp.pids}}))
@@ -457,7 +457,7 @@ def test_unguarded_script_runs_tensor_parallel(tiny_dir, tmp_path, how):
     starts its workers (which must not re-run the script), gets the greedy
     tokens of N = 1, and at exit leaves no worker running and no traceback."""
     close_groups()
-    from scheduler import LLM, SamplingParams
+    from engine import LLM, SamplingParams
     prompts = [[5, 17, 300, 2, 9, 44], [7, 7, 100, 200, 301, 400, 3]]   # ids: the tiny vocabulary is 512
     want = [o.token_ids for o in LLM(tiny_dir, kv_cache_bytes=1 << 20).generate(
         prompts, SamplingParams(max_tokens=8, ignore_eos=True))]

@@ -33,7 +33,7 @@ from experiments.common import eval_text
 from experiments.quantization import perplexity
 from quantize import (Int8KVCache, Int8Linear, dequantize_int8, int8_kv_cache_bytes, decode_weight_bytes,
                       make_kv_cache, quantize_int8, quantize_model)
-from scheduler import LLM, SamplingParams
+from engine import LLM, SamplingParams
 
 
 def int8_reference(w: torch.Tensor, dim: int = -1):
