@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cache import BlockManager, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
@@ -42,10 +43,10 @@ from graphs import MAX_ROWS, CompiledDecoder, StepInputs
 from model import default_model_path, load_model
 from parallel import TensorParallelError, TensorParallelGroup
 from quantize import int8_kv_cache_bytes, make_kv_cache, quantize_model
-from sampler import (SampleRequest, SamplingParams, batch_then_each, draft_sampler,
-                     prompt_logprobs, sample_isolated)
+from sampler import (SampleRequest, Sampled, SamplingParams, batch_then_each, draft_sampler,
+                     launch_isolated, prompt_logprobs, to_device)
 from scheduler import ScheduledSeq, Scheduler
-from sequence import FINISHED, RUNNING, Request, RequestOutput, Sequence
+from sequence import FINISHED, PENDING, RUNNING, Request, RequestOutput, Sequence
 from speculative import MAX_SPECULATIVE_TOKENS, make_drafter
 from support import checks
 from support.calibration import calibration_ids
@@ -92,6 +93,8 @@ class EngineConfig:
     num_speculative_tokens: int = option(4, "drafts per step (k)", ge=1, le=MAX_SPECULATIVE_TOKENS)
     tensor_parallel_size: int = option(1, "split every layer over N devices (parallel.py; "
                                        "llm.close() stops the workers)", ge=1)
+    overlap: bool | None = option(None, "queue step N+1 before reading step N's tokens: the "
+                                  "host's work hides behind the device's (None: with compile)")
 
     def __post_init__(self):
         checks.check_engine_config(self)   # ranges, and the options that cannot go together
@@ -115,6 +118,8 @@ class LLM:
         self.model, self.config, self.tp = load_engine_model(c)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_path(self.path))
         self._build_pool(c)
+        self.overlap = c.compile if c.overlap is None else c.overlap
+        self.in_flight: InFlight | None = None       # the step whose tokens are still on the device
         self.requests: dict[str, Request] = {}
         self.failed: dict[str, Request] = {}         # this step's requests that failed alone
         self.batch: list[ScheduledSeq] = []          # this step's work (for isolation)
@@ -209,36 +214,57 @@ class LLM:
     # -- one step: schedule, forward, sample, append --------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Returns the requests that made progress (a finished one for the last time)."""
-        self.failed, self.batch = {}, []
+        """Returns the requests that made progress (a finished one for the last time). With
+        overlap, the step's forward and sampling are QUEUED before the last step's tokens are
+        read: the device computes this step while the host appends the last one (its outputs
+        are the ones returned). Each sampled token holds a PENDING place in token_ids until
+        then, and the forward reads it from the device (_forward)."""
+        self.failed, self.batch, touched = {}, [], {}
         with self.isolation():
+            if self.in_flight and not self._can_overlap():
+                touched = self._resolve()            # this step needs the last one's tokens here
             # Drafts come first: a sequence verifying k drafts feeds k + 1 tokens this
             # step, and the scheduler must count them against the token budget.
             if self.speculation is not None:
                 self.speculation.propose(self.scheduler.running, self.max_len, self._fail)
             self.batch = batch = self.scheduler.schedule()          # 1. who runs, how many tokens
-            if not batch:
-                return self._nothing_scheduled()
-            asks, rows, scored = sample_requests(batch, self.scheduler, self.tokenizer)
-            logits = self._forward(batch, rows)                     # 2. one pass over every token
-            new = self._sample(logits, asks, scored)                # 3. one wait for the device
-            return self._append_all(batch, asks, new)               # 4. append, stop, report
-        return [req.output() for req in self.failed.values()]      # the step failed: isolation
+            if not batch and not self.in_flight and not touched:
+                self._nothing_scheduled()
+            elif batch:
+                asks, rows, scored = sample_requests(batch, self.scheduler, self.tokenizer)
+                logits = self._forward(batch, rows)                 # 2. one pass over every token
+                launched = self._launch(logits, batch, asks, scored)   # 3. sampling, queued
+                touched |= self._resolve()          # 4. the last step's tokens, while this runs
+                self.in_flight = launched
+                if not self.overlap or scored:      # prompt logprobs: read in the same step
+                    touched |= self._resolve()      # (synchronous: 3's one wait, then 4)
+            else:
+                touched |= self._resolve()
+        return [req.output() for req in (touched | self.failed).values()]
+
+    def _can_overlap(self) -> bool:
+        """May the next step be scheduled before the step in flight is read? Not where the host
+        needs its tokens first: drafting (proposals extend them), penalties (they count them),
+        or a sampling that already ran synchronously."""
+        f = self.in_flight
+        return (self.overlap and self.speculation is None and isinstance(f.sampled, Sampled)
+                and not any(a.params.penalized for _, a in f.asks))
 
     @contextlib.contextmanager
     def isolation(self):
         """Around a step: an error that no single request explains (those were failed alone,
-        by _fail) fails this step's requests, blocks freed; the engine keeps serving. Before
-        anything was scheduled: the running ones, else the oldest waiting one (a step that
-        keeps failing still makes progress). A lost tensor-parallel worker is raised too."""
+        by _fail) fails this step's requests (and the step in flight's), blocks freed; the engine
+        keeps serving. Before anything was scheduled: the running ones, else the oldest waiting
+        one (a step that keeps failing still makes progress). A lost tensor-parallel worker is
+        raised too."""
         try:
             yield
         except Exception as e:
             print(f"nanoinfer: engine step failed: {e!r}", file=sys.stderr)
             self.block_manager.pending_copies.clear()       # its requests fail: drop their copies
-            sch = self.scheduler
-            victims = [it.seq for it in self.batch] or list(sch.running) or list(sch.waiting)[:1]
-            for seq in victims:
+            sch, flight, self.in_flight = self.scheduler, self.in_flight, None
+            victims = [it.seq for it in self.batch + (flight.batch if flight else [])]
+            for seq in victims or list(sch.running) or list(sch.waiting)[:1]:
                 self._fail(seq.request, f"engine step failed: {e!r}")
             if isinstance(e, TensorParallelError):
                 raise
@@ -258,94 +284,146 @@ class LLM:
         req.metrics.finish_time = time.perf_counter()
         return req
 
-    def _nothing_scheduled(self) -> list[RequestOutput]:
+    def _nothing_scheduled(self):
         """With nothing running, the oldest waiting request can never fit: fail it, not spin."""
         if not self.scheduler.running and self.scheduler.waiting:
             seq = self.scheduler.waiting[0]
             self._fail(seq.request, checks.unschedulable(
                 seq.request.request_id, len(seq.token_ids), self.block_manager.num_blocks))
-        return [req.output() for req in self.failed.values()]
 
     def _forward(self, batch: list[ScheduledSeq], logits_rows: list[int]):
-        """One forward pass over the flat batch of every scheduled token."""
+        """One forward pass over the flat batch of every scheduled token. A token fed from a
+        PENDING place (sampled by the step in flight) is read where it is: on the device."""
         copies = list(self.block_manager.pending_copies)
         apply_pending_copies(self.cache, self.block_manager)     # copy-on-write before any write
         N = sum(item.count for item in batch)
         select = None if logits_rows == list(range(N)) else logits_rows   # None: every row
         hb = self.inputs.host([(it.seq.seq_id, it.tokens, it.start) for it in batch], select)
+        pending = self.in_flight.pending_rows(hb, batch) if self.in_flight else None
         # compiled: every step that fits a bucket, mixed ones as rows (graphs.py); else eager
         layout = self.decoder and self.decoder.layout(hb.query_lens, hb.seq_lens, len(logits_rows))
         if layout:
             self.stats["graph_steps" if self.decoder.cuda else "compiled_steps"] += 1
             return self.decoder(hb.input_ids, hb.positions, hb.slot_mapping,
-                                self.inputs.tables[hb.rows], hb.query_lens, select, layout)
+                                self.inputs.tables[hb.rows], hb.query_lens, select, layout,
+                                pending)
         self.stats["eager_steps"] += 1
         input_ids, positions, ctx = self.inputs.device(hb, self.cache)
+        if pending is not None:                  # rows, the in-flight row each reads, the tokens
+            rows, src, next_ids = pending
+            input_ids[to_device(rows, self.device)] = next_ids[to_device(src, self.device)]
         if self.tp is not None:        # every rank runs its slice; rank 0 gets the gathered logits
             return self.tp.forward(input_ids, positions, ctx, copies=copies)
         return self.model(input_ids, positions, ctx)             # [len(logits_rows), V]
 
-    def _sample(self, logits, asks, scored) -> list:
-        """Every sequence's new tokens (sampler.py), and the logprobs of the prompt positions
-        scored this step, fetched in the same single wait for the device."""
+    def _launch(self, logits, batch, asks, scored) -> InFlight:
+        """Step 3, queued (sampler.launch_isolated): every sequence's new tokens, and the logprobs
+        of the prompt positions scored this step, for ONE wait in _resolve. From now on the
+        step's tokens are computed and each sampled token holds a PENDING place."""
         ids = [t for req, first, count in scored for t in req.prompt_ids[first:first + count]]
         top = max((req.params.prompt_logprobs for req, _, _ in scored), default=0)
-        lp = prompt_logprobs(logits, ids, top) if scored else ()
-        new = sample_isolated(logits, asks, self._fail, lp)       # lp: now host lists
-        per_row = zip(*lp)                            # (logprob, top values, their ids) per row
-        for req, first, count in scored:
+        lp = list(prompt_logprobs(logits, ids, top)) if scored else []
+        sampled = launch_isolated(logits, asks, self._fail, lp)   # lp: host lists after the wait
+        for item in batch:
+            item.seq.num_computed = item.start + item.count
+        flight = InFlight(batch, asks, sampled, scored, lp)
+        for s, (seq, ask) in enumerate(asks):
+            if not ask.drafts and seq.status == RUNNING:        # drafts: appended when judged
+                flight.hold_place(s, seq, self.max_len)
+        self.stats["steps"] += 1
+        self.stats["batched_tokens"] += sum(item.count for item in batch)
+        return flight
+
+    def _resolve(self) -> dict:
+        """Step 4 for the step in flight: its tokens to the host (its one wait), each appended
+        (stop strings, EOS, max_tokens); an error in one fails it alone. The requests touched."""
+        f = self.in_flight
+        if f is None:
+            return {}
+        new = f.sampled.result() if isinstance(f.sampled, Sampled) else f.sampled
+        live = set(self.requests)            # not one aborted since it launched: it was reported
+        per_row = zip(*f.lp)                          # (logprob, top values, their ids) per row
+        for req, first, count in f.scored:
             k = req.params.prompt_logprobs
             req.prompt_logprobs[first:first + count] = [
                 (c, dict(zip(i[:k], v[:k]))) for c, v, i in itertools.islice(per_row, count)]
             req.num_scored = first + count
-        return new
-
-    def _append_all(self, batch, asks, new) -> list[RequestOutput]:
-        """Append each sequence's new tokens; an error in one fails it alone."""
-        for item in batch:
+        for item in f.batch:                 # prompt blocks, kept if it ends; a scored prompt ends
             seq = item.seq
-            seq.num_computed = item.start + item.count
-            if seq.status == RUNNING and not seq.draft_tokens:   # prompt blocks: kept if it ends
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
-                if not seq.params.max_tokens and seq.remaining == 0:     # scored its prompt: done
+            if seq.status == RUNNING and not seq.draft_tokens:
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_settled)
+                if not seq.params.max_tokens and seq.remaining == 0:
                     self._finish_request(seq.request, "length")
-        for (seq, ask), (tokens, logprobs, finite) in zip(asks, new):
+        for (seq, ask), (tokens, logprobs, finite) in zip(f.asks, new):
             try:
-                if seq.status != RUNNING:
-                    continue                       # its request failed earlier this step
+                if seq.status == FINISHED:
+                    continue                       # failed, aborted or stopped since it launched
                 if not finite:
                     raise FloatingPointError("the model gave non-finite logits for this request")
                 if ask.drafts:
                     self.speculation.verified(seq, len(tokens) - 1, self.block_manager)
+                place = None if ask.drafts else seq.num_prompt + ask.position   # its PENDING place
                 for j, token in enumerate(tokens):
-                    if seq.status != RUNNING:
+                    if seq.status == FINISHED:
                         break                      # stopped by an earlier token of this step
-                    self._append(seq, token, None if logprobs is None else logprobs[j])
+                    self._append(seq, token, None if logprobs is None else logprobs[j], place)
             except Exception as e:
                 self._fail(seq.request, f"{type(e).__name__}: {e}")
-        touched = dict(self.failed)
-        for seq in dict.fromkeys([item.seq for item in batch] + [seq for seq, _ in asks]):  # once
+        self.in_flight, touched = None, {}
+        for seq in dict.fromkeys([item.seq for item in f.batch] + [seq for seq, _ in f.asks]):
+            if seq.request.request_id not in live:
+                continue
             if seq.status == RUNNING:              # full blocks become reusable prefixes
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_settled)
             elif seq.request.finished:
                 self.requests.pop(seq.request.request_id, None)
             touched[seq.request.request_id] = seq.request
-        self.stats["steps"] += 1
-        self.stats["batched_tokens"] += sum(item.count for item in batch)
-        return [req.output() for req in touched.values()]
+        return touched
 
-    def _append(self, seq: Sequence, token: int, logprob=None):
-        """Add a sampled token; finish the sequence if it hit a stop condition. Checked token
-        by token, so a speculative step stops exactly where plain decoding would."""
+    def _append(self, seq: Sequence, token: int, logprob=None, place=None):
+        """Add a sampled token (at its PENDING place, if it holds one); finish the sequence if it
+        hit a stop condition. Checked token by token, so a speculative step stops exactly where
+        plain decoding would."""
         metrics = seq.request.metrics
         metrics.output_tokens += 1
         metrics.first_token_time = metrics.first_token_time or time.perf_counter()
-        reason = seq.append(token, logprob, self.tokenizer.eos_token_id, self.max_len)
+        eos = self.tokenizer.eos_token_id
+        reason = (seq.append(token, logprob, eos, self.max_len) if place is None
+                  else seq.settle(place, token, logprob, eos, self.max_len))
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             if seq.request.finished:
                 metrics.finish_time = time.perf_counter()
+
+
+class InFlight:
+    """A launched step: its sampling queued on the device, its tokens not yet on the host."""
+
+    def __init__(self, batch, asks, sampled, scored, lp):
+        self.batch, self.asks, self.sampled = batch, asks, sampled   # sampled: Sampled or results
+        self.scored, self.lp = scored, lp
+        self.place_of: dict[int, int] = {}           # seq_id -> its row of sampled.next_ids
+
+    def hold_place(self, s: int, seq: Sequence, max_len: int):
+        """Sequence seq's token (ask s) goes to the device: lengths, positions and noise count
+        it from now (a PENDING place). Its last token: nothing more to feed (no step computes
+        a token past max_tokens or the context)."""
+        seq.token_ids.append(PENDING)
+        seq.in_flight += 1
+        self.place_of[seq.seq_id] = s
+        if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= max_len:
+            seq.num_computed = len(seq.token_ids)
+
+    def pending_rows(self, hb, batch):
+        """The flat batch's rows fed a PENDING token, and the row of next_ids each reads (None:
+        none)."""
+        rows = np.flatnonzero(hb.input_ids == PENDING)
+        if not len(rows):
+            return None
+        seq_of_row = np.repeat(np.arange(len(batch)), hb.query_lens)[rows]
+        src = np.array([self.place_of[batch[i].seq.seq_id] for i in seq_of_row])
+        return rows, src, self.sampled.next_ids
 
 
 # --- Step 3's side: who samples, and speculative decoding's bookkeeping ---------

@@ -316,10 +316,11 @@ class CompiledDecoder:
         return "rows" if key in self.keys else None     # else its table is too big: eager
 
     def __call__(self, tokens, positions, slots, tables, query_lens=None, logits_rows=None,
-                 layout=None):
+                 layout=None, pending=None):
         """One step: tokens, positions, slots [N], tables [B, W] (padded with any valid block),
-        query_lens [B] (None: one each), logits_rows (None: all), layout (None: self.layout's).
-        Returns logits [rows, V]."""
+        query_lens [B] (None: one each), logits_rows (None: all), layout (None: self.layout's),
+        pending (rows, src, next_ids): tokens[rows] are next_ids[src], on the device (engine.py's
+        overlap; Q = 1 buckets only). Returns logits [rows, V]."""
         tokens, positions, slots, tables = (np.asarray(a, dtype=np.int64)
                                             for a in (tokens, positions, slots, tables))
         qlens = (np.ones(len(tokens), np.int64) if query_lens is None
@@ -336,15 +337,16 @@ class CompiledDecoder:
         Q = bucket(int(qlens.max()), self.query_sizes)
         key = (Q, bucket(len(qlens), self.row_sizes if Q == 1 else self.batch_sizes),
                bucket(int(last.max()) // self.cache.block_size + 1, self.widths))
-        prow = self._load(key, tokens, positions, slots, tables, qlens, logits_rows)
+        prow = self._load(key, tokens, positions, slots, tables, qlens, logits_rows, pending)
         self._run(key)
         self.steps[key[0]] += 1
         return self.logits[prow]   # a copy (next step overwrites); prow is on the device: no wait
 
-    def _load(self, key, tokens, positions, slots, tables, qlens, logits_rows=None):
+    def _load(self, key, tokens, positions, slots, tables, qlens, logits_rows=None, pending=None):
         """Pad the flat batch to bucket key = (Q, B, W) in the static inputs (ONE copy; padding
         writes only the scratch block); return the rows of self.logits that hold the real
-        queries' logits (logits_rows'), in that copy too: its own would wait for the replay."""
+        queries' logits (logits_rows'), in that copy too: its own would wait for the replay.
+        pending: the rows whose token the last step sampled, copied in from the device."""
         Q, Bp, W = key
         B, scratch = len(qlens), self.scratch_block * self.cache.block_size
         src, real = query_rows(np.cumsum(qlens) - qlens, qlens, Q)            # [B, Q] each
@@ -357,10 +359,15 @@ class CompiledDecoder:
         gather = np.zeros(self.max_logits, np.int64)    # a big bucket: its LM head's rows, first
         if Q * Bp > self.max_logits:
             gather[:len(prow)], prow = prow, np.arange(len(prow))
-        *parts, prow = self.staging.send([a.ravel() for a in (ids, pos, slot, table, gather, prow)])
+        rows, src, next_ids = pending or (np.zeros(0, np.int64),) * 3
+        arrays = (ids, pos, slot, table, gather, prow, rows, src)
+        *parts, prow, rows, src = self.staging.send([np.asarray(a).ravel() for a in arrays])
         for static, part in zip((self.ids, self.positions, self.slots, self.tables,
                                  self.logits_rows), parts):
             static[:part.numel()].copy_(part)            # ... then into the graph's fixed addresses
+        if pending is not None:                  # Q = 1: flat row i is padded row i
+            assert Q == 1, "a token sampled on the device feeds a Q = 1 bucket"
+            self.ids[rows] = next_ids[src]
         return prow
 
     def _bucket(self, key):

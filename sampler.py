@@ -162,6 +162,13 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
     logits rows row_s .. row_s + k_s (k_s drafts): plain sampling is verification with k = 0.
     Returns per sequence, on the host after the step's one wait: (tokens, raw-logit logprobs
     or None, finite). `also`: more device tensors for that wait, replaced by host lists."""
+    return launch_sample(logits, reqs, also).result()
+
+
+def launch_sample(logits, reqs: list[SampleRequest], also=()) -> Sampled:
+    """sample_tokens without its wait: every op queued on the device and the copies to the host
+    too; the tokens are read at .result(). Meanwhile .next_ids [S] holds each sequence's first
+    new token ON THE DEVICE, where the next step's forward can read it (engine.py's overlap)."""
     S, K, dev = len(reqs), max(len(r.drafts) for r in reqs), logits.device   # most drafts: K
     n = np.array([len(r.drafts) for r in reqs])
     # ridx [S, K+1]: the logits row of each sequence's position j (past its drafts: its last)
@@ -189,16 +196,29 @@ def sample_tokens(logits, reqs: list[SampleRequest], also=()):
     want_lp = [s for s, r in enumerate(reqs) if r.params.logprobs is not None]
     top = max((reqs[s].params.logprobs for s in want_lp), default=0)
     lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], top) if want_lp else []
-    host = fetch(torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1), *lp, *also)
-    if also:
-        also[:] = host[len(host) - len(also):]
-    out = [(row[:row[K + 1] + 1], None, bool(row[K + 2])) for row in host[0]]
-    for j, s in enumerate(want_lp):         # per token: (chosen logprob, {alternative: logprob})
-        m, k = out[s][0], reqs[s].params.logprobs
-        chosen, values, ids = host[1][j], host[2][j], host[3][j]
-        info = [(chosen[i], dict(zip(ids[i][:k], values[i][:k]))) for i in range(len(m))]
-        out[s] = (m, info, out[s][2])
-    return out
+    packed = torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1)   # [S, K + 3]
+    return Sampled(reqs, want_lp, start_fetch(packed, *lp, *also), also, tokens[:, 0])
+
+
+class Sampled:
+    """A step's sampling, queued on the device; result() is the step's one wait."""
+
+    def __init__(self, reqs, want_lp, copies: Fetch, also, next_ids):
+        self.reqs, self.want_lp, self.copies, self.also = reqs, want_lp, copies, also
+        self.next_ids = next_ids                     # [S] on the device: each one's first new token
+
+    def result(self) -> list:
+        """Per sequence (tokens, logprobs or None, finite), on the host."""
+        host, K = self.copies.wait(), max(len(r.drafts) for r in self.reqs)
+        if self.also:
+            self.also[:] = host[len(host) - len(self.also):]
+        out = [(row[:row[K + 1] + 1], None, bool(row[K + 2])) for row in host[0]]
+        for j, s in enumerate(self.want_lp):      # per token: (chosen logprob, {other: logprob})
+            m, k = out[s][0], self.reqs[s].params.logprobs
+            chosen, values, ids = host[1][j], host[2][j], host[3][j]
+            info = [(chosen[i], dict(zip(ids[i][:k], values[i][:k]))) for i in range(len(m))]
+            out[s] = (m, info, out[s][2])
+        return out
 
 
 def _sample_rows(logits, reqs, ridx, d, n):
@@ -280,12 +300,30 @@ def to_device(data, dev, dtype=None) -> torch.Tensor:
 
 
 def fetch(*tensors) -> list:
-    """Device -> host lists with ONE wait (copies queued, then one synchronize): the step's only
-    synchronization."""
-    host = [t.to("cpu", non_blocking=True) for t in tensors]
-    if tensors and tensors[0].is_cuda:
-        torch.cuda.current_stream(tensors[0].device).synchronize()  # pragma: no cover (CUDA)
-    return [h.tolist() for h in host]
+    """Device -> host lists with ONE wait: the step's only synchronization."""
+    return start_fetch(*tensors).wait()
+
+
+class Fetch:
+    """Copies to the host, queued (pinned, non-blocking) behind what made the tensors, and an
+    event after them: wait() waits for THESE tensors only, not for work queued later (the
+    overlapped engine's next forward)."""
+
+    def __init__(self, tensors):
+        self.host = [t.to("cpu", non_blocking=True) for t in tensors]
+        self.event = None
+        if tensors and tensors[0].is_cuda:                          # pragma: no cover (CUDA)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(tensors[0].device))
+
+    def wait(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()                                # pragma: no cover (CUDA)
+        return [h.tolist() for h in self.host]
+
+
+def start_fetch(*tensors) -> Fetch:
+    return Fetch(tensors)
 
 
 # --- Fault isolation: the whole batch at once, else each request alone -------
@@ -303,6 +341,17 @@ def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
                 fail(one[0].request, f"{what} failed: {type(e).__name__}: {e}")
                 out.append(skipped)
         return out
+
+
+def launch_isolated(logits, asks, fail, also=()):
+    """sample_isolated without its wait: the whole batch's Sampled; if launching the batch raises,
+    sample_isolated's results (each request alone, on the host already)."""
+    try:
+        if asks:
+            return launch_sample(logits, [a for _, a in asks], also)
+    except Exception:
+        pass
+    return sample_isolated(logits, asks, fail, also)
 
 
 def sample_isolated(logits, asks, fail, also=()):

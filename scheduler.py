@@ -80,7 +80,8 @@ class Scheduler:
         # assignment: scheduler-step
         for _ in range(len(self.running) + 1):
             out = self._schedule_once()
-            if out or not self.running:
+            # (a running sequence with nothing to feed waits for its last token: not stuck)
+            if out or not any(seq.remaining for seq in self.running):
                 return out
             self.preempt(self.running[-1])      # stuck: every running sequence waits for blocks
         return []

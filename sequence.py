@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from sampler import StopStrings, sample_key
 from tokenizer import IncrementalDecoder
 
+# The place of a token sampled by a step still in flight (engine.py's overlap): counted by every
+# length and position now, its value read from the device later (Sequence.settle).
+PENDING = -1
+
 # A sequence's life: WAITING -> RUNNING -> FINISHED.
 WAITING = "waiting"         # queued, or preempted: it holds no KV blocks
 RUNNING = "running"         # holds KV blocks, fed every step
@@ -58,9 +62,13 @@ class Sequence:
         self.finish_reason = None
         self.logprobs = [] if self.params.logprobs is not None else None
         self._reported = (0, 0)                  # (tokens, pieces) already in an output
+        self.in_flight = 0                       # PENDING places at the end of token_ids
 
-    num_output = property(lambda self: len(self.token_ids) - self.num_prompt)
+    num_output = property(lambda self: len(self.token_ids) - self.num_prompt)   # places included
     remaining = property(lambda self: len(self.token_ids) - self.num_computed)   # fed next step
+    # tokens with K/V in the cache AND known to the host: what the prefix cache may hash
+    num_settled = property(lambda self: min(self.num_computed,
+                                            len(self.token_ids) - self.in_flight))
 
     def add_text(self, delta: str) -> bool:
         """Stream decoded text through the stop strings; what can no longer change goes to
@@ -104,16 +112,27 @@ class Sequence:
                 self.pieces.append(tail)
         return reason
 
+    def settle(self, place: int, token: int, logprob, eos_token_id, max_len: int) -> str | None:
+        """append() for a token whose PENDING place is token_ids[place] (a later step's places
+        may follow it): appended there, the later places kept unless the sequence stops."""
+        later = self.token_ids[place + 1:]
+        del self.token_ids[place:]
+        reason = self.append(token, logprob, eos_token_id, max_len)
+        self.in_flight = 0 if reason else len(later)
+        if reason is None:
+            self.token_ids += later
+        return reason
+
     def snapshot(self) -> Completion:
         """This sequence as a Completion, with the tokens and text pieces since the last one (what
         a stream sends): a step costs O(new tokens), not O(text so far)."""
         # Streams send deltas: re-joining the whole text every step would make a long answer
         # cost O(length^2) over its life, more than its decode steps at a few thousand tokens.
         t0, p0 = self._reported
-        n, p = self.num_output, len(self.pieces)
+        n, p = self.num_output - self.in_flight, len(self.pieces)
         self._reported = (n, p)
         new_lp = None if self.logprobs is None else self.logprobs[t0:n]
-        new_ids = self.token_ids[self.num_prompt + t0:]
+        new_ids = self.token_ids[self.num_prompt + t0:self.num_prompt + n]
         return Completion(self, "".join(self.pieces[p0:p]), new_ids, new_lp)
 
     def __repr__(self):
@@ -180,7 +199,7 @@ class Completion:
         self._seq = seq
         self.index = seq.index
         self.finish_reason = seq.finish_reason
-        self._tokens = seq.num_output
+        self._tokens = seq.num_output - seq.in_flight
         self._pieces = len(seq.pieces)
         self.new_text = new_text
         self.new_token_ids = new_token_ids

@@ -21,7 +21,7 @@ from quantize import decode_weight_bytes
 from sampler import SamplingParams
 from support.checkpoint import RANDOM_PREFIX, parse_random_path
 
-from experiments.common import TINY_MODEL, figure, model_config, start_decoding, table
+from experiments.common import TINY_MODEL, engine_step_seconds, figure, model_config, start_decoding, table
 from experiments.plan import Phase, decode, prefill
 
 NAME = "kv-compression"
@@ -115,7 +115,7 @@ def timed_variant(b, name, opts, w) -> dict:
     llm = b.llm(**opts)
     row = kv_row(name, opts["path"], llm.config, llm.dtype, llm.cache, llm.block_manager, w.context)
     ids = start_decoding(llm, w.batch, ctx, w.steps)
-    t = b.timeit(llm.step, w.steps, warmup=2)
+    t = engine_step_seconds(b, llm, w.steps)
     W, kv_step = decode_weight_bytes(llm.model), row["kv_bytes_per_token"] * ctx * w.batch
     row.update(step_ms=t * 1e3, weight_bytes=W, kv_bytes_per_step=kv_step, kv_share=kv_step / (W + kv_step),
                bound_ms=(W + kv_step) / b.bandwidth() * 1e3, preemptions=llm.scheduler.num_preemptions,

@@ -42,7 +42,8 @@ def _bare_forward(llm):
     seqs = llm.scheduler.running
     for s in seqs:                                 # room for the token the step will feed (idempotent)
         llm.block_manager.reserve(s.seq_id, s.num_computed, 1)
-    hb = llm.inputs.host([(s.seq_id, s.token_ids[-1:], s.num_computed) for s in seqs])
+    # a token still on the device (overlap: PENDING) is fed as 0: a step's time is not its values'
+    hb = llm.inputs.host([(s.seq_id, [max(s.token_ids[-1], 0)], s.num_computed) for s in seqs])
     if llm.decoder is not None:
         return lambda: llm.decoder(hb.input_ids, hb.positions, hb.slot_mapping, llm.inputs.tables[hb.rows])
     x, pos, ctx = llm.inputs.device(hb, llm.cache)

@@ -4,15 +4,15 @@ Builds LLM(MODEL, compile=...) on --device, starts `batch` greedy requests decod
 `--steps` decode steps. Each step is split, by wrapping the engine's methods (no profiler), into:
   forward   CompiledDecoder._run (compile) or the model's forward (eager): the "device" part
   schedule  Scheduler.schedule                 sreq  sample_requests
-  inputs    LLM._forward less the forward     sample  LLM._sample (sampler, the fetch)
-  append    LLM._append_all (append, detokenize, outputs)      other: the rest of LLM.step
+  inputs    LLM._forward less the forward     sample  LLM._launch (the sampler's ops, queued)
+  append    LLM._resolve (the fetch, append, detokenize, outputs)   other: the rest of LLM.step
+The engine runs with overlap=False (--overlap: True), so that each stage is this step's.
 Medians over the steps (microseconds per step); --repeat runs that many rounds (median of the
 rounds' medians). --profile: a cProfile of the steps, top functions by cumulative time per step.
 
 On a GPU the forward is asynchronous: compare `total` (the whole step) before/after. Without --sync
-the wait for the device lands in the stage that first synchronizes (before 259f116: 'inputs', the
-pageable copy of the logits rows; after: 'sample', its one fetch); --sync times the forward to its
-end, but then the host work can no longer overlap it.
+the wait for the device lands in the stage that first synchronizes ('append', the fetch); --sync
+times the forward to its end.
 
     python scripts/host_overhead.py --batches 1 8 16 --compile --repeat 3
 """
@@ -61,8 +61,8 @@ class Clock:
 def instrument(llm, clock, sync_forward):
     """Wrap the step's stages in place (instance attributes; module function for sample_requests)."""
     llm.scheduler.schedule = clock.wrap("schedule", llm.scheduler.schedule)
-    llm._sample = clock.wrap("sample", llm._sample)
-    llm._append_all = clock.wrap("append", llm._append_all)
+    llm._launch = clock.wrap("sample", llm._launch)
+    llm._resolve = clock.wrap("append", llm._resolve)
     llm._forward = clock.wrap("inputs", llm._forward)     # forward subtracted below
     engine.sample_requests = clock.wrap("sreq", engine.sample_requests)
     if llm.decoder is not None:
@@ -118,6 +118,7 @@ def main():
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--sync", action="store_true", help="synchronize around the forward (GPU)")
+    ap.add_argument("--overlap", action="store_true", help="the overlapped engine (stages overlap)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile this batch size")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--vocab", type=int, default=0, help="random: presets: this vocabulary size "
@@ -128,7 +129,7 @@ def main():
         name = a.model.split(":")[1]
         PRESETS[name] = {**PRESETS[name], "vocab_size": a.vocab}
     torch.manual_seed(0)
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, compile=a.compile,
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, compile=a.compile, overlap=a.overlap,
               max_num_seqs=max(a.batches), kv_cache_bytes=64 << 20 if a.device == "cpu" else None)
     cuda = torch.device(llm.device).type == "cuda"
     clock = Clock(lambda: torch.cuda.synchronize() if cuda else None)

@@ -261,6 +261,8 @@ def check_engine_config(c) -> None:
     check_fields(c)
     if c.compile and c.tensor_parallel_size != 1:
         raise ValueError("compile=True with tensor_parallel_size > 1 is not supported")
+    if c.overlap and c.tensor_parallel_size != 1:
+        raise ValueError("overlap=True with tensor_parallel_size > 1 is not supported")
     if c.compile and c.quantization == "llm.int8":
         raise ValueError("quantization='llm.int8' picks its outlier columns on every call (a shape "
                          "that depends on the data), which a CUDA graph cannot replay: use "

@@ -24,6 +24,7 @@ from engine import LLM
 from helpers import assert_dense_prompt_logprobs, assert_no_leak
 from model import generate as dense_generate
 from sampler import SampleRequest, SamplingParams, sample_key, sample_tokens
+from sequence import PENDING
 
 
 @pytest.fixture
@@ -359,9 +360,9 @@ def test_a_plain_request_beside_a_scored_one_is_unchanged_and_pays_nothing(tiny_
     chunks only: one wait too)."""
     import sampler
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=12)
-    rows, waits, forward, fetch = [], [], llm._forward, sampler.fetch        # per step: logits rows, waits
+    rows, waits, forward, wait = [], [], llm._forward, sampler.Fetch.wait     # per step: logits rows, waits
     monkeypatch.setattr(llm, "_forward", lambda batch, r: rows.append(len(r)) or waits.append(0) or forward(batch, r))
-    monkeypatch.setattr(sampler, "fetch", lambda *t: waits.__setitem__(-1, waits[-1] + 1) or fetch(*t))
+    monkeypatch.setattr(sampler.Fetch, "wait", lambda self: waits.__setitem__(-1, waits[-1] + 1) or wait(self))
     plain, scored = list(range(50, 80)), list(range(400, 425))               # 30 and 25 tokens
     greedy = SamplingParams(max_tokens=5, ignore_eos=True)
     alone = llm.generate([plain], greedy)[0]
@@ -546,3 +547,103 @@ def test_support_imports_nothing_of_the_tour():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             bad = [n for n in names if n.split(".")[0] in tour]
             assert not bad, f"{os.path.relpath(path, root)} imports the tour module(s) {bad}"
+
+
+# ---- the overlapped step: step N+1 queued before step N's tokens are read
+
+def _mixed_requests(tiny_path):
+    """Prompts and params that stop every way: max_tokens, a stop token, a stop string, seeded
+    sampling with n = 2 and logprobs, all joining at different steps (run_staggered_outputs)."""
+    probe = LLM(tiny_path, kv_cache_bytes=1 << 20).generate([[5, 6, 7, 8] * 3],
+                                                             SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    prompts = [[5, 6, 7, 8] * 3, [5, 6, 7, 8] * 3, [42] * 7, [9, 8, 7, 6, 5], [5, 6, 7, 8] * 3, [77]]   # 1, 4: the probe's
+    params = [SamplingParams(max_tokens=20, ignore_eos=True),
+              SamplingParams(max_tokens=16, stop_token_ids=[probe.token_ids[6]]),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=2, logprobs=2),
+              SamplingParams(max_tokens=18, temperature=1.0, top_p=0.9, ignore_eos=True),
+              SamplingParams(max_tokens=12, stop=[probe.text[4:7]], ignore_eos=True),
+              SamplingParams(max_tokens=9)]
+    return prompts, params
+
+
+def run_staggered_outputs(llm, prompts, params, abort_at=None):
+    """run_staggered, keeping whole outputs (text, reasons, logprobs of every sample); request 0
+    aborted after `abort_at` steps."""
+    ids, outs, step, pending = {}, {}, 0, list(enumerate(prompts))
+    while pending or llm.has_unfinished_requests():
+        if pending and step % 2 == 0:
+            i, p = pending.pop(0)
+            ids[llm.add_request(p, params[i])] = i
+        if step == abort_at:
+            llm.abort(next(r for r, i in ids.items() if i == 0))
+        for o in llm.step():      # the last output of each (an aborted one: the last before it)
+            outs[ids[o.request_id]] = [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs]
+        step += 1
+    return [outs[i] for i in range(len(prompts))]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.needs("engine")
+def test_the_overlapped_engine_gives_the_synchronous_engines_outputs(tiny_path, compiled):
+    """overlap=True queues each step before reading the last one's tokens (a decode row reads its
+    token on the device): the same tokens, text, finish reasons and logprobs as overlap=False for
+    greedy and seeded sampling, n = 2, stop tokens and stop strings, max_tokens, requests joining
+    at different steps and a pool small enough to preempt; eagerly and compiled (rows patched in
+    the static inputs); no block leaks."""
+    prompts, params = _mixed_requests(tiny_path)
+    kw = dict(kv_cache_bytes=6 * 16 * 512, block_size=16, max_num_seqs=4, max_num_batched_tokens=24)
+    sync = LLM(tiny_path, overlap=False, **kw)
+    ref = run_staggered_outputs(sync, prompts, params)
+    llm = LLM(tiny_path, overlap=True, compile=compiled, **kw)
+    assert llm.overlap
+    got = run_staggered_outputs(llm, prompts, params)
+    for i, (a, b) in enumerate(zip(got, ref)):        # logprobs: another batch's rounding (1e-6)
+        assert [x[:3] for x in a] == [x[:3] for x in b], f"request {i} ({params[i]}): overlapped {a} != {b}"
+        for (*_, lp_a), (*_, lp_b) in zip(a, b):
+            assert (lp_a is None) == (lp_b is None) and [list(t) for _, t in lp_a or []] == [list(t) for _, t in lp_b or []]
+            assert [c for c, _ in lp_a or []] == pytest.approx([c for c, _ in lp_b or []], abs=1e-4)
+    reasons = {r for out in ref for _, _, r, _ in out}
+    assert reasons == {"length", "stop"}, f"the requests must stop both ways: {reasons}"
+    assert sync.scheduler.num_preemptions > 0 and llm.scheduler.num_preemptions > 0, "the pool must preempt"
+    assert PENDING not in {t for out in got for toks, _, _, _ in out for t in toks}
+    if compiled:
+        assert llm.stats["compiled_steps"] == llm.stats["steps"] and llm.stats["eager_steps"] == 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine")
+def test_an_aborted_overlapped_request_keeps_a_prefix_and_leaks_nothing(tiny_path):
+    """Aborted while its next token is in flight: what it streamed is a prefix of the synchronous
+    run's (the token in flight is never emitted), every other request's output is unchanged, no
+    block leaks."""
+    prompts, params = _mixed_requests(tiny_path)
+    params[0] = SamplingParams(max_tokens=40, ignore_eos=True)
+    kw = dict(kv_cache_bytes=1 << 20, block_size=16, max_num_seqs=4)
+    full = run_staggered_outputs(LLM(tiny_path, **kw), prompts, params)
+    ref = run_staggered_outputs(LLM(tiny_path, overlap=False, **kw), prompts, params, abort_at=9)
+    llm = LLM(tiny_path, overlap=True, **kw)
+    got = run_staggered_outputs(llm, prompts, params, abort_at=9)
+    (toks, _, reason, _), = got[0]
+    assert reason is None and 0 < len(toks) <= len(ref[0][0][0]) and toks == full[0][0][0][:len(toks)]
+    assert [[x[:3] for x in o] for o in got[1:]] == [[x[:3] for x in o] for o in ref[1:]]
+    assert [[x[:3] for x in o] for o in got[1:]] == [[x[:3] for x in o] for o in full[1:]]
+    assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine")
+def test_step_n_plus_one_is_launched_before_step_n_is_read(tiny_path, monkeypatch):
+    """The order of the overlapped engine: each step's forward is queued, then the LAST step's
+    tokens are read (the wait), so the device never waits for the host's appends; the last step
+    is read by the call that finds nothing more to run. Penalties need the last token on the host:
+    that request's steps run in order."""
+    import sampler
+    events, forward, wait = [], LLM._forward, sampler.Fetch.wait
+    monkeypatch.setattr(LLM, "_forward", lambda self, b, r: events.append("forward") or forward(self, b, r))
+    monkeypatch.setattr(sampler.Fetch, "wait", lambda self: events.append("wait") or wait(self))
+    llm = LLM(tiny_path, kv_cache_bytes=1 << 20, overlap=True)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert events == ["forward", "forward", "wait", "forward", "wait", "forward", "wait", "wait"], events
+    events.clear()
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True, repetition_penalty=1.3))
+    assert events == ["forward", "wait"] * 3, events

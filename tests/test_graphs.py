@@ -374,6 +374,27 @@ def test_cuda_graph_engine_gives_the_eager_tokens(tiny_path):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.needs("engine")
+def test_overlapped_cuda_graph_engine_reads_each_token_on_the_device(tiny_path):
+    """compile=True overlaps by default: each decode row's token is the step in flight's, copied
+    into the graph's static input ids on the device before the replay (never through the host);
+    every step replays a graph and the greedy tokens are the plain eager engine's."""
+    from cuda_sim import simulate_cuda
+    prompts = [[5, 6, 7, 8] * 5, list(range(100, 110)) * 3, [42] * 5, [9, 8, 7, 6]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 12, 16, 9)]
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 17, block_size=16,
+              max_num_batched_tokens=32)
+    eager = run_staggered(LLM(tiny_path, **kw), prompts, params)
+    with simulate_cuda() as sim:
+        llm = LLM(tiny_path, compile=True, **kw)
+        assert llm.overlap, "compile=True: overlapped unless told otherwise"
+        outs = run_staggered(llm, prompts, params)
+    assert outs == eager, "the overlapped CUDA-graph engine changed a greedy output"
+    assert llm.stats["graph_steps"] == llm.stats["steps"] == sim.replays and llm.stats["eager_steps"] == 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 def _forgets_the_static_copy(monkeypatch):
     """A decoder whose step reads its inputs where this step's copy put them, new tensors each
     step, instead of copying them into the static buffers a graph was recorded on."""

@@ -20,7 +20,7 @@ from helpers import save_checkpoint, tiny_model
 
 from cache import AttentionContext
 from engine import LLM
-from sampler import SamplingParams
+from sampler import Sampled, SamplingParams
 from speculative import NgramDrafter, rejection_sample, rejection_sample_batched
 
 
@@ -342,13 +342,16 @@ LOOPY_GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 def record_steps(monkeypatch, llm):
     """Spy on the engine's append phase: per step, (request id, drafts verified,
     the tokens the sampler emitted for it) for every sequence that sampled."""
-    steps, append_all = [], llm._append_all
+    steps, resolve = [], llm._resolve
 
-    def spy(batch, asks, new):
-        steps.append([(seq.request.request_id, len(ask.drafts), list(tokens))
-                      for (seq, ask), (tokens, _, _) in zip(asks, new)])
-        return append_all(batch, asks, new)
-    monkeypatch.setattr(llm, "_append_all", spy)
+    def spy():
+        f = llm.in_flight
+        if f is not None:                # its tokens read here, handed on as host results
+            f.sampled = f.sampled.result() if isinstance(f.sampled, Sampled) else f.sampled
+            steps.append([(seq.request.request_id, len(ask.drafts), list(tokens))
+                          for (seq, ask), (tokens, _, _) in zip(f.asks, f.sampled)])
+        return resolve()
+    monkeypatch.setattr(llm, "_resolve", spy)
     return steps
 
 
