@@ -13,8 +13,17 @@ step, each one of the earlier files:
     4. append     Sequence.append (sequence.py): stop strings, EOS, max_tokens; finished
                   sequences give their blocks back
 
+On a GPU steps 1, 2, 3 only QUEUE work, and step 4 waits for it: done in that order, the
+device idles while the host appends, detokenizes and schedules (~0.5 ms a step at batch 1,
+a tenth of an 8B step). So the overlapped engine (overlap=True, with compile by default) runs
+step N+1's 1-3 BEFORE step N's 4: the sequences that sampled at step N feed a token the host
+has not seen yet. It holds a PENDING place in token_ids (lengths, positions and the noise
+count it) and the forward reads its value on the device (InFlight). A sequence that stops at
+step N's token has computed one more row, never read. Where the host must see the tokens
+first (drafting, penalties, prompt logprobs) the steps run in order.
+
 A request that goes wrong alone finishes alone (finish_reason "error"); an error no single
-request explains fails the step's requests, never the engine (LLM.isolation). Building one is
+request explains fails the step's requests, never the engine (Isolation). Building one is
 the other half: the weights (quantized, or sharded over workers), the KV pool sized by the
 lecture's bytes-per-token formula from the memory the weights left, the compiled step, the
 drafter. Every option is declared once, in EngineConfig, with its default and its range.
@@ -43,8 +52,8 @@ from graphs import MAX_ROWS, CompiledDecoder, StepInputs
 from model import default_model_path, load_model
 from parallel import TensorParallelError, TensorParallelGroup
 from quantize import int8_kv_cache_bytes, make_kv_cache, quantize_model
-from sampler import (SampleRequest, Sampled, SamplingParams, batch_then_each, draft_sampler,
-                     launch_isolated, prompt_logprobs, to_device)
+from sampler import (Sampled, SamplingParams, batch_then_each, draft_sampler, launch_isolated,
+                     prompt_logprobs, sample_requests, to_device)
 from scheduler import ScheduledSeq, Scheduler
 from sequence import FINISHED, PENDING, RUNNING, Request, RequestOutput, Sequence
 from speculative import MAX_SPECULATIVE_TOKENS, make_drafter
@@ -100,8 +109,56 @@ class EngineConfig:
         checks.check_engine_config(self)   # ranges, and the options that cannot go together
 
 
+# --- Fault isolation: a request that goes wrong fails alone -------------------------
+class Isolation:
+    """LLM's fault isolation (its base class): a request that goes wrong finishes alone, with
+    finish_reason "error" and its blocks freed, and a step that fails as a whole fails only
+    its requests. Reads LLM's scheduler, block_manager, requests, failed, batch, in_flight."""
+
+    @contextlib.contextmanager
+    def isolation(self):
+        """Around a step: an error that no single request explains (those were failed alone,
+        by _fail) fails this step's requests (and the step in flight's), blocks freed; the engine
+        keeps serving. Before anything was scheduled: the running ones, else the oldest waiting
+        one (a step that keeps failing still makes progress). A lost tensor-parallel worker is
+        raised too."""
+        try:
+            yield
+        except Exception as e:
+            print(f"nanoinfer: engine step failed: {e!r}", file=sys.stderr)
+            self.block_manager.pending_copies.clear()       # its requests fail: drop their copies
+            sch, flight, self.in_flight = self.scheduler, self.in_flight, None
+            victims = [it.seq for it in self.batch + (flight.batch if flight else [])]
+            for seq in victims or list(sch.running) or list(sch.waiting)[:1]:
+                self._fail(seq.request, f"engine step failed: {e!r}")
+            if isinstance(e, TensorParallelError):
+                raise
+
+    def _fail(self, req: Request, message: str):
+        """A request that went wrong finishes alone: finish_reason "error", blocks freed."""
+        if req.request_id not in self.failed:
+            self.failed[req.request_id] = self._finish_request(req, "error", message)
+
+    def _finish_request(self, req: Request, reason: str, error: str | None = None) -> Request:
+        self.requests.pop(req.request_id, None)
+        for seq in req.seqs:
+            if seq.status != FINISHED:
+                self.scheduler.finish(seq)
+                seq.finish_reason = reason
+        req.error = error
+        req.metrics.finish_time = time.perf_counter()
+        return req
+
+    def _nothing_scheduled(self):
+        """With nothing running, the oldest waiting request can never fit: fail it, not spin."""
+        if not self.scheduler.running and self.scheduler.waiting:
+            seq = self.scheduler.waiting[0]
+            self._fail(seq.request, checks.unschedulable(
+                seq.request.request_id, len(seq.token_ids), self.block_manager.num_blocks))
+
+
 # --- The engine ----------------------------------------------------------------
-class LLM:
+class LLM(Isolation):
     """Model + tokenizer + paged KV cache + scheduler + sampler. Offline: llm.generate(prompts,
     params); online (serve.py): add_request() / step() / abort() from one engine thread."""
 
@@ -112,9 +169,7 @@ class LLM:
         device, dtype = checks.resolve_device_dtype(c.device, c.dtype, c.quantization)
         path = os.fspath(c.path) if c.path else default_model_path()
         self.engine_config = c = dataclasses.replace(c, path=path, device=device, dtype=dtype)
-        self.path = path
-        self.device = device
-        self.dtype = dtype
+        self.path, self.device, self.dtype = path, device, dtype
         self.model, self.config, self.tp = load_engine_model(c)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_path(self.path))
         self._build_pool(c)
@@ -214,14 +269,11 @@ class LLM:
     # -- one step: schedule, forward, sample, append --------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Returns the requests that made progress (a finished one for the last time). With
-        overlap, the step's forward and sampling are QUEUED before the last step's tokens are
-        read: the device computes this step while the host appends the last one (its outputs
-        are the ones returned). Each sampled token holds a PENDING place in token_ids until
-        then, and the forward reads it from the device (_forward)."""
+        """Returns the requests that made progress (a finished one for the last time);
+        overlapped, the step before's (the module's docstring)."""
         self.failed, self.batch, touched = {}, [], {}
         with self.isolation():
-            if self.in_flight and not self._can_overlap():
+            if self.in_flight and not (self.overlap and self.in_flight.can_overlap(self)):
                 touched = self._resolve()            # this step needs the last one's tokens here
             # Drafts come first: a sequence verifying k drafts feeds k + 1 tokens this
             # step, and the scheduler must count them against the token budget.
@@ -230,66 +282,16 @@ class LLM:
             self.batch = batch = self.scheduler.schedule()          # 1. who runs, how many tokens
             if not batch and not self.in_flight and not touched:
                 self._nothing_scheduled()
-            elif batch:
+            if batch:
                 asks, rows, scored = sample_requests(batch, self.scheduler, self.tokenizer)
                 logits = self._forward(batch, rows)                 # 2. one pass over every token
                 launched = self._launch(logits, batch, asks, scored)   # 3. sampling, queued
-                touched |= self._resolve()          # 4. the last step's tokens, while this runs
+            touched |= self._resolve()              # 4. the last step's tokens, while this runs
+            if batch:
                 self.in_flight = launched
                 if not self.overlap or scored:      # prompt logprobs: read in the same step
                     touched |= self._resolve()      # (synchronous: 3's one wait, then 4)
-            else:
-                touched |= self._resolve()
         return [req.output() for req in (touched | self.failed).values()]
-
-    def _can_overlap(self) -> bool:
-        """May the next step be scheduled before the step in flight is read? Not where the host
-        needs its tokens first: drafting (proposals extend them), penalties (they count them),
-        or a sampling that already ran synchronously."""
-        f = self.in_flight
-        return (self.overlap and self.speculation is None and isinstance(f.sampled, Sampled)
-                and not any(a.params.penalized for _, a in f.asks))
-
-    @contextlib.contextmanager
-    def isolation(self):
-        """Around a step: an error that no single request explains (those were failed alone,
-        by _fail) fails this step's requests (and the step in flight's), blocks freed; the engine
-        keeps serving. Before anything was scheduled: the running ones, else the oldest waiting
-        one (a step that keeps failing still makes progress). A lost tensor-parallel worker is
-        raised too."""
-        try:
-            yield
-        except Exception as e:
-            print(f"nanoinfer: engine step failed: {e!r}", file=sys.stderr)
-            self.block_manager.pending_copies.clear()       # its requests fail: drop their copies
-            sch, flight, self.in_flight = self.scheduler, self.in_flight, None
-            victims = [it.seq for it in self.batch + (flight.batch if flight else [])]
-            for seq in victims or list(sch.running) or list(sch.waiting)[:1]:
-                self._fail(seq.request, f"engine step failed: {e!r}")
-            if isinstance(e, TensorParallelError):
-                raise
-
-    def _fail(self, req: Request, message: str):
-        """A request that went wrong finishes alone: finish_reason "error", blocks freed."""
-        if req.request_id not in self.failed:
-            self.failed[req.request_id] = self._finish_request(req, "error", message)
-
-    def _finish_request(self, req: Request, reason: str, error: str | None = None) -> Request:
-        self.requests.pop(req.request_id, None)
-        for seq in req.seqs:
-            if seq.status != FINISHED:
-                self.scheduler.finish(seq)
-                seq.finish_reason = reason
-        req.error = error
-        req.metrics.finish_time = time.perf_counter()
-        return req
-
-    def _nothing_scheduled(self):
-        """With nothing running, the oldest waiting request can never fit: fail it, not spin."""
-        if not self.scheduler.running and self.scheduler.waiting:
-            seq = self.scheduler.waiting[0]
-            self._fail(seq.request, checks.unschedulable(
-                seq.request.request_id, len(seq.token_ids), self.block_manager.num_blocks))
 
     def _forward(self, batch: list[ScheduledSeq], logits_rows: list[int]):
         """One forward pass over the flat batch of every scheduled token. A token fed from a
@@ -318,21 +320,14 @@ class LLM:
 
     def _launch(self, logits, batch, asks, scored) -> InFlight:
         """Step 3, queued (sampler.launch_isolated): every sequence's new tokens, and the logprobs
-        of the prompt positions scored this step, for ONE wait in _resolve. From now on the
-        step's tokens are computed and each sampled token holds a PENDING place."""
+        of the prompt positions scored this step, for ONE wait in _resolve."""
         ids = [t for req, first, count in scored for t in req.prompt_ids[first:first + count]]
         top = max((req.params.prompt_logprobs for req, _, _ in scored), default=0)
         lp = list(prompt_logprobs(logits, ids, top)) if scored else []
         sampled = launch_isolated(logits, asks, self._fail, lp)   # lp: host lists after the wait
-        for item in batch:
-            item.seq.num_computed = item.start + item.count
-        flight = InFlight(batch, asks, sampled, scored, lp)
-        for s, (seq, ask) in enumerate(asks):
-            if not ask.drafts and seq.status == RUNNING:        # drafts: appended when judged
-                flight.hold_place(s, seq, self.max_len)
         self.stats["steps"] += 1
         self.stats["batched_tokens"] += sum(item.count for item in batch)
-        return flight
+        return InFlight(batch, asks, sampled, scored, lp, self.max_len)
 
     def _resolve(self) -> dict:
         """Step 4 for the step in flight: its tokens to the host (its one wait), each appended
@@ -340,14 +335,8 @@ class LLM:
         f = self.in_flight
         if f is None:
             return {}
-        new = f.sampled.result() if isinstance(f.sampled, Sampled) else f.sampled
+        new = f.results()                          # the one wait; prompt logprobs stored too
         live = set(self.requests)            # not one aborted since it launched: it was reported
-        per_row = zip(*f.lp)                          # (logprob, top values, their ids) per row
-        for req, first, count in f.scored:
-            k = req.params.prompt_logprobs
-            req.prompt_logprobs[first:first + count] = [
-                (c, dict(zip(i[:k], v[:k]))) for c, v, i in itertools.islice(per_row, count)]
-            req.num_scored = first + count
         for item in f.batch:                 # prompt blocks, kept if it ends; a scored prompt ends
             seq = item.seq
             if seq.status == RUNNING and not seq.draft_tokens:
@@ -370,9 +359,8 @@ class LLM:
             except Exception as e:
                 self._fail(seq.request, f"{type(e).__name__}: {e}")
         self.in_flight, touched = None, {}
-        for seq in dict.fromkeys([item.seq for item in f.batch] + [seq for seq, _ in f.asks]):
-            if seq.request.request_id not in live:
-                continue
+        seqs = [item.seq for item in f.batch] + [seq for seq, _ in f.asks]
+        for seq in dict.fromkeys(s for s in seqs if s.request.request_id in live):     # once each
             if seq.status == RUNNING:              # full blocks become reusable prefixes
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_settled)
             elif seq.request.finished:
@@ -398,22 +386,42 @@ class LLM:
 
 
 class InFlight:
-    """A launched step: its sampling queued on the device, its tokens not yet on the host."""
+    """A launched step: its sampling queued, its tokens not yet on the host. From its launch its
+    tokens count as computed, each sampled one holds a PENDING place; after a sequence's last
+    (max_tokens, the context) nothing is fed: no step computes a token past it."""
 
-    def __init__(self, batch, asks, sampled, scored, lp):
+    def __init__(self, batch, asks, sampled, scored, lp, max_len: int):
         self.batch, self.asks, self.sampled = batch, asks, sampled   # sampled: Sampled or results
-        self.scored, self.lp = scored, lp
+        self.scored, self.lp = scored, lp            # prompt positions scored, their logprobs
         self.place_of: dict[int, int] = {}           # seq_id -> its row of sampled.next_ids
+        for item in batch:
+            item.seq.num_computed = item.start + item.count
+        for s, (seq, ask) in enumerate(asks):
+            if not ask.drafts and seq.status == RUNNING:        # drafts: appended when judged
+                seq.token_ids.append(PENDING)
+                seq.in_flight += 1
+                self.place_of[seq.seq_id] = s
+                if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= max_len:
+                    seq.num_computed = len(seq.token_ids)
 
-    def hold_place(self, s: int, seq: Sequence, max_len: int):
-        """Sequence seq's token (ask s) goes to the device: lengths, positions and noise count
-        it from now (a PENDING place). Its last token: nothing more to feed (no step computes
-        a token past max_tokens or the context)."""
-        seq.token_ids.append(PENDING)
-        seq.in_flight += 1
-        self.place_of[seq.seq_id] = s
-        if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= max_len:
-            seq.num_computed = len(seq.token_ids)
+    def can_overlap(self, llm) -> bool:
+        """May the next step be scheduled before this one is read? Not where the host needs its
+        tokens first: drafting (proposals extend them), penalties (they count them), or a
+        sampling that already ran synchronously."""
+        return (llm.speculation is None and isinstance(self.sampled, Sampled)
+                and not any(a.params.penalized for _, a in self.asks))
+
+    def results(self) -> list:
+        """The sampled tokens on the host (the one wait); the scored prompt positions' logprobs
+        stored in their requests."""
+        new = self.sampled.result() if isinstance(self.sampled, Sampled) else self.sampled
+        per_row = zip(*self.lp)                        # (logprob, top values, their ids) per row
+        for req, first, count in self.scored:
+            k = req.params.prompt_logprobs
+            req.prompt_logprobs[first:first + count] = [
+                (c, dict(zip(i[:k], v[:k]))) for c, v, i in itertools.islice(per_row, count)]
+            req.num_scored = first + count
+        return new
 
     def pending_rows(self, hb, batch):
         """The flat batch's rows fed a PENDING token, and the row of next_ids each reads (None:
@@ -426,39 +434,7 @@ class InFlight:
         return rows, src, self.sampled.next_ids
 
 
-# --- Step 3's side: who samples, and speculative decoding's bookkeeping ---------
-def sample_requests(batch, scheduler, tokenizer):
-    """Which sequences sample this step, from which logits rows: the last row of a sequence
-    whose cache then holds all its tokens, or the 1 + k rows of a verification (a prompt of a
-    request with n > 1 forks here). After those, the rows of the prompt positions a request
-    scores (prompt_logprobs): scored = [(request, first, count)]."""
-    asks = []           # (sequence, SampleRequest) of each sequence that samples
-    rows = []           # the logits rows they sample from, in that order
-    scored = []         # (request, first prompt position, count) scored this step
-    prompt_rows = []    # the logits rows of those prompt positions
-    end = 0
-    for item in batch:
-        seq, req = item.seq, item.seq.request
-        # position p scores prompt token p + 1 (a recompute after preemption skips scored ones)
-        first = max(item.start, req.num_scored - 1)
-        last = min(item.start + item.count, seq.num_prompt - 1)
-        if first < last:
-            scored.append((req, first + 1, last - first))
-            prompt_rows += range(end + first - item.start, end + last - item.start)
-        end += item.count                      # this sequence's tokens end here in the flat batch
-        if seq.draft_tokens:
-            asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
-                                            seq.num_output, seq.token_ids, seq.draft_probs)))
-            rows += range(end - item.count, end)
-        elif item.start + item.count == len(seq.token_ids):   # n > 1: the samples share a row
-            forked = [seq] + scheduler.fork(seq, item.start + item.count, tokenizer)
-            if seq.params.max_tokens:          # max_tokens=0 only scores its prompt: no sample
-                asks += [(s, SampleRequest(len(rows), [], s.params, s.key, s.num_output,
-                                           s.token_ids)) for s in forked]
-                rows.append(end - 1)
-    return asks, rows + prompt_rows, scored
-
-
+# --- Speculative decoding's bookkeeping ------------------------------------------
 class Speculation:
     """Drafts before a step, bookkeeping after it (the step's one pass verifies them)."""
 

@@ -326,6 +326,39 @@ def start_fetch(*tensors) -> Fetch:
     return Fetch(tensors)
 
 
+# --- Who samples, from which logits rows (step 3's side of the step) ----------
+def sample_requests(batch, scheduler, tokenizer):
+    """Which sequences sample this step, from which logits rows: the last row of a sequence
+    whose cache then holds all its tokens, or the 1 + k rows of a verification (a prompt of a
+    request with n > 1 forks here). After those, the rows of the prompt positions a request
+    scores (prompt_logprobs): scored = [(request, first, count)]."""
+    asks = []           # (sequence, SampleRequest) of each sequence that samples
+    rows = []           # the logits rows they sample from, in that order
+    scored = []         # (request, first prompt position, count) scored this step
+    prompt_rows = []    # the logits rows of those prompt positions
+    end = 0
+    for item in batch:
+        seq, req = item.seq, item.seq.request
+        # position p scores prompt token p + 1 (a recompute after preemption skips scored ones)
+        first = max(item.start, req.num_scored - 1)
+        last = min(item.start + item.count, seq.num_prompt - 1)
+        if first < last:
+            scored.append((req, first + 1, last - first))
+            prompt_rows += range(end + first - item.start, end + last - item.start)
+        end += item.count                      # this sequence's tokens end here in the flat batch
+        if seq.draft_tokens:
+            asks.append((seq, SampleRequest(len(rows), list(seq.draft_tokens), seq.params, seq.key,
+                                            seq.num_output, seq.token_ids, seq.draft_probs)))
+            rows += range(end - item.count, end)
+        elif item.start + item.count == len(seq.token_ids):   # n > 1: the samples share a row
+            forked = [seq] + scheduler.fork(seq, item.start + item.count, tokenizer)
+            if seq.params.max_tokens:          # max_tokens=0 only scores its prompt: no sample
+                asks += [(s, SampleRequest(len(rows), [], s.params, s.key, s.num_output,
+                                           s.token_ids)) for s in forked]
+                rows.append(end - 1)
+    return asks, rows + prompt_rows, scored
+
+
 # --- Fault isolation: the whole batch at once, else each request alone -------
 def batch_then_each(run, asks: list, fail, what: str, skipped) -> list:
     """run(asks) -> one result per (sequence, ask), for the whole batch. If it raises, the cause is

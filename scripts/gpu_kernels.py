@@ -87,6 +87,19 @@ def attention(out: dict, save):
     out["attention"] = rows
 
 
+def inductor_int8_product():
+    """quantize.QuantLinear._fused's product (the int8 weight converted inside the reduction's
+    loads) under torch.compile with coordinate-descent tuning (gpt-fast's and torchao's int8 decode),
+    issue 42's rival to the Triton kernel."""
+    import torch._inductor.config as inductor_config
+    inductor_config.coordinate_descent_tuning = True
+
+    def product(x, w, scale):                                   # [M, K], [N, K] int8, [N] -> [M, N]
+        return ((w.to(x.dtype)[:, None, :] * x[None, :, :]).sum(-1) * scale[:, None]).t()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(product, dynamic=False)
+
+
 def int8(out: dict, save):
     rows = []
     try:
@@ -96,7 +109,9 @@ def int8(out: dict, save):
         save("weight_int8pack_mm_cuda", "available")
     except Exception as e:  # noqa: BLE001
         save("weight_int8pack_mm_cuda", repr(e)[:200])
-    shapes = [(48, 64)] if DRY else [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
+    # 8B's linears as model.py has them: q/k/v stacked, o, gate/up stacked, down, the LM head
+    shapes = [(48, 64)] if DRY else [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    fused = inductor_int8_product()
     for (N, K), M in itertools.product(shapes, [1, 20] if DRY else [1, 8, 32, 64]):
         wq = rotating(lambda: torch.randint(-127, 128, (N, K), device=DEV, dtype=torch.int8), N * K)
         wb = rotating(lambda: torch.randn(N, K, device=DEV, dtype=torch.bfloat16), 2 * N * K)
@@ -114,6 +129,13 @@ def int8(out: dict, save):
             row["weight_int8pack_mm"] = {"us": ms * 1e3, "GBps": N * K / ms / 1e6}
         except Exception as e:  # noqa: BLE001
             row["weight_int8pack_mm"] = repr(e)[:120]
+        try:                    # Int8Linear._fused's product, compiled as gpt-fast compiles it
+            y = fused(x, w0, scale)
+            ms = graph_ms(lambda: fused(x, wq(), scale), iters=20, samples=5)
+            row["inductor fused"] = {"us": ms * 1e3, "GBps": N * K / ms / 1e6,
+                                     "err": ((y.float() - ref).norm() / ref.norm()).item()}
+        except Exception as e:  # noqa: BLE001
+            row["inductor fused"] = repr(e)[:200]
         for tile in [None] + [(n, k, wf, warps) for wf in (0, 1) for n, k, warps in
                               ((16, 512, 4), (32, 256, 4), (64, 256, 4), (64, 512, 8), (64, 64, 4), (64, 128, 4))]:
             if M > 16 and tile is not None and tile[1] > 128:
@@ -136,7 +158,8 @@ def int4(out: dict, save):
     """torch's tinygemm int4 kernel (_weight_int4pack_mm: quantize.Int4Linear's decode on CUDA, as
     torchao's and gpt-fast's), group 128, against cuBLAS on the bf16 weight."""
     rows, group = [], 32 if DRY else 128
-    shapes = [(48, 64)] if DRY else [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
+    # 8B's linears as model.py has them: q/k/v stacked, o, gate/up stacked, down, the LM head
+    shapes = [(48, 64)] if DRY else [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
     for (N, K), M in itertools.product(shapes, [1, 20] if DRY else [1, 8]):
         nbytes = N * K // 2 + 3 * N * K // group                      # levels, float16 scale, uint8 zero
         make = lambda: torch.randint(0, 256, (N, K // 2), device=DEV, dtype=torch.uint8)   # noqa: E731

@@ -350,48 +350,32 @@ def test_cuda_graph_steps_equal_eager(variant):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("speculative", [True, False])
 @pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
-def test_cuda_graph_engine_gives_the_eager_tokens(tiny_path):
+def test_cuda_graph_engine_gives_the_eager_tokens(tiny_path, speculative):
     """The whole engine on the simulated CUDA path: requests join and finish at different steps
-    (their prefill chunks beside the running decodes replay a rows bucket: no eager forward),
-    n-gram drafts are verified in k + 1 = 4-token replays, and the greedy tokens are the plain
-    eager engine's."""
+    (their prefill chunks beside the running decodes replay a rows bucket: no eager forward) and
+    the greedy tokens are the plain eager engine's. Speculative: n-gram drafts verified in
+    k + 1 = 4-token replays (in order: drafting reads the tokens). Not: the overlapped engine
+    (compile=True's default), each decode row's token copied into the graph's static input ids
+    on the device from the step in flight, never through the host."""
     from cuda_sim import simulate_cuda
     prompts = [[5, 6, 7, 8] * 5, list(range(100, 110)) * 3, [42] * 5, [9, 8, 7, 6]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 12, 16, 9)]
     kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 17, block_size=16,
               max_num_batched_tokens=32)
     eager = run_staggered(LLM(tiny_path, **kw), prompts, params)
+    spec = dict(speculative="ngram", num_speculative_tokens=3) if speculative else {}
     with simulate_cuda() as sim:
-        llm = LLM(tiny_path, compile=True, speculative="ngram", num_speculative_tokens=3, **kw)
+        llm = LLM(tiny_path, compile=True, **spec, **kw)
+        assert llm.overlap, "compile=True: overlapped unless told otherwise"
         assert llm.decoder.row_sizes == [1, 2, 4, 8, 16, 32]
-        assert len(llm.decoder.graphs) == len(sim.graphs) == (6 + 3) * len(llm.decoder.widths)
+        assert len(llm.decoder.graphs) == len(sim.graphs) == (6 + 3 * speculative) * len(llm.decoder.widths)
         outs = run_staggered(llm, prompts, params)
     assert outs == eager, "the CUDA-graph engine changed a greedy output"
-    assert llm.decoder.steps[1] > 0 and llm.decoder.steps[4] > 0 and sim.replays == sum(llm.decoder.steps.values())
+    assert llm.decoder.steps[1] > 0 and (not speculative or llm.decoder.steps[4] > 0)
     assert llm.decoder.row_steps > 0 and llm.stats["eager_steps"] == 0, "every step replays a graph"
-    assert llm.stats["graph_steps"] == llm.stats["steps"] == sim.replays
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.needs("engine")
-def test_overlapped_cuda_graph_engine_reads_each_token_on_the_device(tiny_path):
-    """compile=True overlaps by default: each decode row's token is the step in flight's, copied
-    into the graph's static input ids on the device before the replay (never through the host);
-    every step replays a graph and the greedy tokens are the plain eager engine's."""
-    from cuda_sim import simulate_cuda
-    prompts = [[5, 6, 7, 8] * 5, list(range(100, 110)) * 3, [42] * 5, [9, 8, 7, 6]]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 12, 16, 9)]
-    kw = dict(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_bytes=1 << 17, block_size=16,
-              max_num_batched_tokens=32)
-    eager = run_staggered(LLM(tiny_path, **kw), prompts, params)
-    with simulate_cuda() as sim:
-        llm = LLM(tiny_path, compile=True, **kw)
-        assert llm.overlap, "compile=True: overlapped unless told otherwise"
-        outs = run_staggered(llm, prompts, params)
-    assert outs == eager, "the overlapped CUDA-graph engine changed a greedy output"
-    assert llm.stats["graph_steps"] == llm.stats["steps"] == sim.replays and llm.stats["eager_steps"] == 0
+    assert llm.stats["graph_steps"] == llm.stats["steps"] == sim.replays == sum(llm.decoder.steps.values())
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
@@ -564,3 +548,28 @@ def test_weight_layout_frees_each_old_weight_as_it_goes(monkeypatch):
     assert choose_weight_layout(model) == "transposed"
     n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert log == ["copy"] + ["copy", "freed"] * n, "an old weight outlived the next layer's copy"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.needs("engine")
+def test_the_default_model_runs_continuous_and_static_batching_without_an_eager_step(real_path):
+    """bench's continuous-vs-static workload (its smoke size: 8 requests of 4-32 tokens, 4 seats) on
+    the default model, compile=True: every step of both runs, static groups' whole prefills and the
+    continuous run's steps that admit a request included, runs the compiled step (on a GPU: a graph
+    replay), none the eager model; the tokens are compile=False's, exactly (float32)."""
+    from types import SimpleNamespace
+
+    from experiments.common import workload
+    b = SimpleNamespace(sizes=lambda table: SimpleNamespace(**table["cpu-quick"]))
+    kw = dict(max_num_seqs=4, kv_cache_bytes=64 << 20, max_num_batched_tokens=64)   # rows <= 64
+    runs = {}
+    for compiled in (False, True):
+        llm = LLM(real_path, compile=compiled, **kw)
+        prompts, lengths = workload(b, llm.config.vocab_size)
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+        static = [o.token_ids for i in range(0, len(prompts), 4)
+                  for o in llm.generate(prompts[i:i + 4], params[i:i + 4])]
+        runs[compiled] = (static, [o.token_ids for o in llm.generate(prompts, params)], dict(llm.stats))
+    assert runs[True][:2] == runs[False][:2], "the compiled engine changed a greedy output"
+    stats = runs[True][2]
+    assert stats["eager_steps"] == 0 and stats["compiled_steps"] == stats["steps"] > 0, stats

@@ -305,6 +305,8 @@ def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     compiled = run_staggered(llm, prompts, params)
     assert compiled == eager, "compiled decode changed a greedy output"
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled after warm-up"
+    assert llm.stats["eager_steps"] == 0 and llm.stats["compiled_steps"] == llm.stats["steps"], \
+        "every step (prefill chunks beside decodes included) runs compiled"
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
