@@ -221,9 +221,9 @@ class LLM(Isolation):
                     request_id: str | None = None) -> str:
         """Queue a prompt (a string or token ids); a bad request raises ValueError and touches
         nothing."""
-        params = params or SamplingParams()
-        ids = prompt
+        params, ids = params or SamplingParams(), prompt
         if isinstance(prompt, str):     # special tokens allowed: the caller owns the whole prompt
+            checks.check_prompt_text(prompt, self.tokenizer, self.max_len)
             ids = self.tokenizer.encode(prompt, allow_special=True)
         # types, the vocabulary, room to generate, n <= max_num_seqs seats (support/checks.py)
         ids = checks.check_request(ids, params, SamplingParams, self.config, self.max_len,

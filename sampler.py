@@ -9,7 +9,10 @@ penalties for counting their history. Each sampled row draws with ONE uniform, b
 The uniforms are counter-based, a pure function u = hash(key, output position, stream) like
 JAX's or Philox's counters (a per-request torch.Generator is sequential state: one launch per
 row, and other noise after preemption). The key mixes the seed with the sample index: a seeded
-request gets the same tokens whatever the batch, even preempted, and its n samples differ.
+request draws the same noise whatever the batch, even preempted, and its n samples differ. Its
+tokens are the same wherever its logits round the same: a batch of another shape rounds the
+matmuls and attention differently (~1e-6 in float32), and a draw that close to the boundary
+between two tokens takes the other (docs/ENGINE.md: about 1 token in 1,000).
 
 Place in the data flow: step 3 of LLM.step (engine.py) calls sample_tokens once on the logits
 rows of every sampling sequence (drafts judged by speculative.py's rejection rule); step 4

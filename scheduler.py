@@ -125,10 +125,12 @@ class Scheduler:
             out.append(ScheduledSeq(seq, seq.num_computed, count))
             budget -= count
 
-        # (3) admit waiting sequences in arrival order (no skipping ahead).
+        # (3) admit waiting sequences in arrival order (no skipping ahead). A seat is a sequence
+        # now or soon: a running prompt of n > 1 holds n (its samples fork when it is done).
+        seats = sum(self._seats(s) for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + self._seats(seq) > self.max_num_seqs:
+            if seats + self._seats(seq) > self.max_num_seqs:
                 break
             # prefix cache hits, but not for a prompt still to score (prompt_logprobs)
             cached = self.bm.allocate(seq.seq_id, seq.token_ids,
@@ -143,6 +145,7 @@ class Scheduler:
                 seq.request.metrics.first_scheduled_time = time.perf_counter()
                 seq.request.metrics.cached_tokens = cached
             self.running.append(seq)
+            seats += self._seats(seq)
             self.bm.reserve(seq.seq_id, cached, count)
             out.append(ScheduledSeq(seq, cached, count))
             budget -= count

@@ -44,6 +44,7 @@ import uuid
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from engine import LLM, EngineConfig
 from sampler import SamplingParams
@@ -51,8 +52,8 @@ from support.checks import check_seats
 from support.schema import Message, StreamOptions, request_models, sampling_fields
 from support.server import (APIError, Metrics, Reply, Server, check_limits, check_model,
                             check_prompts, checked, engine_config, error_json, exposure_warning,
-                            http_limits, one_shot, serve_arguments, serve_until_signal,
-                            shutting_down, side_routes, utf8)
+                            http_limits, one_shot, prompt_text, serve_arguments,
+                            serve_until_signal, shutting_down, side_routes, utf8)
 
 # What a request may say: OpenAI's bodies, whose sampling fields are SamplingParams' own
 # fields with their types (support/schema.py); their ranges SamplingParams checks itself.
@@ -208,7 +209,7 @@ def completion_prompts(llm: LLM, body) -> list[tuple[list[int], str]]:
     special tokens included (as in LLM.generate); only chat messages cannot forge them."""
     p = body.prompt
     batch = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else p   # one, or a list
-    return [(llm.tokenizer.encode(utf8(x, "prompt"), allow_special=True), x)
+    return [(llm.tokenizer.encode(prompt_text(llm, x, "prompt"), allow_special=True), x)
             if isinstance(x, str) else (x, None) for x in batch]
 
 
@@ -220,6 +221,7 @@ def chat_ids(llm: LLM, messages: list[Message]) -> list[int]:
         text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
         role = "system" if m.role == "developer" else m.role
         chat.append({"role": role, "content": utf8(text, "messages")})
+    prompt_text(llm, "".join(m["content"] for m in chat), "messages")    # before the tokenizer
     return llm.tokenizer.apply_chat_template(chat, tokenize=True)
 
 
@@ -370,13 +372,14 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    prompts = completion_prompts(request.app.state.engine.llm, body)
+    # tokenizing in a worker thread: never on the event loop, which every client shares
+    prompts = await run_in_threadpool(completion_prompts, request.app.state.engine.llm, body)
     return await generate(request, body, prompts, chat=False)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
-    prompts = [(chat_ids(request.app.state.engine.llm, body.messages), "")]
+    prompts = [(await run_in_threadpool(chat_ids, request.app.state.engine.llm, body.messages), "")]
     return await generate(request, body, prompts, chat=True)
 
 

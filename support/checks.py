@@ -169,6 +169,23 @@ def check_request(ids, params, params_type, cfg, max_len: int, max_num_seqs: int
     return ids
 
 
+def check_prompt_text(text: str, tokenizer, max_len: int, what: str = "the prompt") -> str:
+    """A prompt's text, before it is encoded: refused (ValueError) if no tokenization of it can
+    fit max_len tokens (each token covers at most tokenizer.max_token_bytes bytes: the check
+    costs no tokenizer work), or if it holds a character the vocabulary has no token for, which
+    encoding would drop silently (the Hugging Face reference does)."""
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > max_len * tokenizer.max_token_bytes:
+        least = -(-size // tokenizer.max_token_bytes)
+        raise ValueError(f"{what} has {size} bytes: at least {least} tokens, more than the "
+                         f"{max_len} this model's context holds")
+    if (c := tokenizer.unencodable(text)) is not None:
+        raise ValueError(f"{what} holds the character {c!r} (U+{ord(c):04X}; UTF-8 "
+                         f"{c.encode('utf-8', 'surrogatepass').hex(' ')}), which this model's "
+                         f"vocabulary has no token for: it would be dropped from the prompt")
+    return text
+
+
 def new_request_id(request_id, in_use, counter) -> str:
     """A request's id: the caller's (as a string), which no live request may hold, or the
     counter's next."""

@@ -29,7 +29,8 @@ besides is here, each piece written once:
     line's flags (one per field of EngineConfig); one_shot; exposure_warning.
 What uvicorn already does is left to it: a request beyond --max-connections
 gets its 503 (limit_concurrency), an idle keep-alive connection closes after
---keep-alive-timeout, h11 refuses a malformed request with a 400. Imports:
+--keep-alive-timeout, h11 refuses a malformed request with a 400; HeadDeadline
+adds what it lacks, a deadline for each request's head (--head-timeout). Imports:
 the standard library, starlette, fastapi, pydantic, uvicorn, prometheus_client,
 support.checks; serve.py's objects (the Engine, the LLM, its outputs) are
 passed in, and the engine's options as a dataclass (EngineConfig).
@@ -52,14 +53,16 @@ from itertools import accumulate
 
 import prometheus_client
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from support.checks import check_token_ids, short
+from support.checks import check_prompt_text, check_token_ids, short
 
 # ----------------------------------------------------------------------------
 # Errors: one object for all of them
@@ -71,12 +74,13 @@ class APIError(Exception):
     what to fix, the offending request field (OpenAI's "param") and a code."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, kind: str | None = None):
         super().__init__(message)
         self.status = status
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.kind = kind               # the error object's "type" (None: the status's)
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -84,7 +88,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 
 def error_json(e: APIError) -> dict:
-    kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "server_error")
+    kind = e.kind or ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500
+                                     else "server_error")
     return {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}}
 
 
@@ -94,7 +99,7 @@ def error_response(e: APIError) -> JSONResponse:
 
 def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down; this request was not completed",
-                    code="server_shutting_down")
+                    code="server_shutting_down", kind="server_error")   # not overloaded: going
 
 
 def install_error_handlers(app) -> None:
@@ -106,9 +111,15 @@ def install_error_handlers(app) -> None:
         # pydantic's first complaint; its loc is ("body", field, ...): the field is OpenAI's param
         err = e.errors()[0]
         loc = [str(x) for x in err.get("loc", ())][1:]
+        sent = request.headers.get("content-type")
+        typed = (f" (it came as Content-Type: {short(sent)}; send application/json)"
+                 if sent and "json" not in sent else "")
         if err.get("type") == "json_invalid":
             why = err.get("ctx", {}).get("error")
-            return error_response(APIError(400, f"the body is not valid JSON: {why}"))
+            return error_response(APIError(400, f"the body is not valid JSON{typed}: {why}"))
+        if not loc:                    # valid JSON, but not an object
+            return error_response(APIError(400, f"the body must be a JSON object{typed}, got "
+                                           f"{short(err.get('input'))}"))
         param = loc[0] if loc else None
         where = ".".join(loc) or "the body"
         message = f"{where}: {err.get('msg')}, got {short(err.get('input'))}"
@@ -136,6 +147,18 @@ def utf8(text: str, param: str) -> str:
         raise APIError(400, f"{param!r} holds a lone UTF-16 surrogate, which is not text",
                        param) from None
     return text
+
+
+def prompt_text(llm, text: str, param: str) -> str:
+    """A prompt's text (or a chat's messages'), checked before any tokenizer work: UTF-8, no more
+    bytes than the context's tokens can hold, no character the vocabulary would drop
+    (support/checks.py: check_prompt_text); else a 400 naming `param`. Tokenizing stays off the
+    event loop (run_in_threadpool): /health answers while a long prompt is encoded."""
+    try:
+        return check_prompt_text(utf8(text, param), llm.tokenizer, llm.max_len, repr(param))
+    except ValueError as e:
+        code = "context_length_exceeded" if "context holds" in str(e) else None
+        raise APIError(400, str(e), param, code) from None
 
 
 def checked(cls, api_names: dict, **fields):
@@ -291,8 +314,9 @@ async def models(request: Request):
 async def tokenize(body: TokenizeRequest, request: Request):
     llm = request.app.state.engine.llm
     check_model(request.app.state.model, body.model)
-    # as /v1/completions encodes it
-    ids = llm.tokenizer.encode(utf8(body.prompt, "prompt"), allow_special=True)
+    # as /v1/completions encodes it, off the event loop
+    ids = await run_in_threadpool(llm.tokenizer.encode, prompt_text(llm, body.prompt, "prompt"),
+                                  allow_special=True)
     return {"count": len(ids), "max_model_len": llm.max_len, "tokens": ids,
             "token_strs": [piece(llm.tokenizer, t) for t in ids]
             if body.return_token_strs else None}
@@ -392,7 +416,15 @@ class Guard:
             e = APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
                          code="timeout")
             return await error_response(e)(scope, receive, send)
-        buffered = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        body = b"".join(chunks)
+        try:                           # JSON on the wire is UTF-8 (RFC 8259 8.1): not UTF-16
+            body.decode("utf-8")
+        except UnicodeDecodeError as u:
+            bad = body[u.start:u.start + 4]
+            e = APIError(400, f"the body is not UTF-8 (at byte {u.start}: {bad!r}); JSON bodies "
+                         "must be", code="invalid_encoding")
+            return await error_response(e)(scope, receive, send)
+        buffered = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay():
             return buffered.pop() if buffered else await receive()
@@ -520,22 +552,66 @@ def check_limits(**limits) -> None:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
+class HeadDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head: a connection that has not
+    sent a whole request line and headers within head_timeout seconds of opening (or of its
+    last response) is closed. uvicorn's own timer starts only after a response and any byte
+    stops it, so a client that connects and sends nothing, or a header a minute, held a
+    connection, and a few hundred of them every seat under --max-connections, for ever."""
+    head_timeout = 10.0                        # set per server: a subclass made by Server
+    deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.response_complete:   # a head arrived
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()                        # the next request's head, on a kept-alive one
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self):
+        self._disarm()
+        self.deadline = self.loop.call_later(self.head_timeout, self._expired)
+
+    def _disarm(self):
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _expired(self):
+        self.deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
 class Server:
     """A FastAPI app served by uvicorn (h11, one event loop) on a socket bound now: port 0
     picks a free port, read it from server_address. serve_forever() blocks until shutdown()
     (run it on a thread); server_close() closes the socket. It adds to the app the error
     handlers, `routers` and Guard (api_key, max_body_bytes, body_timeout). max_connections:
     uvicorn's limit_concurrency (beyond it, 503); keep_alive_timeout: an idle keep-alive
-    connection closes after it; max_header_bytes: the request line and headers at most (431;
-    h11's 400 while a head still arriving is over it)."""
+    connection closes after it; head_timeout: a request's head must arrive within it
+    (HeadDeadline); max_header_bytes: the request line and headers at most (431; h11's 400
+    while a head still arriving is over it)."""
 
     def __init__(self, app, host: str, port: int, routers=(), *, api_key: str | None = None,
                  max_body_bytes: int = 4 << 20, body_timeout: float = 30.0,
                  max_connections: int = 512, keep_alive_timeout: float = 5.0,
-                 max_header_bytes: int = 64 << 10, graceful_seconds: float = 5.0):
+                 head_timeout: float = 10.0, max_header_bytes: int = 64 << 10,
+                 graceful_seconds: float = 5.0):
         self.limits = dict(api_key=api_key or None, max_body_bytes=max_body_bytes,
                            body_timeout=body_timeout, max_connections=max_connections,
-                           keep_alive_timeout=keep_alive_timeout)
+                           keep_alive_timeout=keep_alive_timeout, head_timeout=head_timeout)
         check_limits(**{k: v for k, v in self.limits.items() if k != "api_key"})
         self.app = app
         install_error_handlers(app)
@@ -549,7 +625,8 @@ class Server:
         self.socket = socket.create_server((host, port), family=family,
                                            backlog=min(max_connections, socket.SOMAXCONN))
         self.server_address = self.socket.getsockname()[:2]
-        config = uvicorn.Config(app, http="h11", lifespan="off", log_config=None,
+        protocol = type("HeadDeadline", (HeadDeadline,), {"head_timeout": head_timeout})
+        config = uvicorn.Config(app, http=protocol, lifespan="off", log_config=None,
                                 log_level="warning", access_log=False,
                                 limit_concurrency=max_connections,
                                 timeout_keep_alive=keep_alive_timeout,
@@ -664,6 +741,9 @@ def serve_arguments(argv, description: str, config_type) -> argparse.Namespace:
                      help="uvicorn's limit_concurrency: connections or requests beyond it get 503")
     srv.add_argument("--keep-alive-timeout", type=float, default=5.0,
                      help="seconds an idle keep-alive connection stays open")
+    srv.add_argument("--head-timeout", type=float, default=10.0,
+                     help="seconds for a request's line and headers to arrive, from the "
+                     "connection's start or its last response; then it is closed")
     srv.add_argument("--drain-seconds", type=float, default=30.0,
                      help="on SIGTERM/Ctrl-C, how long requests in flight may still run")
     one = ap.add_argument_group("one-shot")
@@ -700,7 +780,8 @@ def engine_config(args: argparse.Namespace, config_type):
 def http_limits(args: argparse.Namespace, api_key: str | None) -> dict:
     """Server's keyword arguments from serve_arguments' flags."""
     return dict(api_key=api_key, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                max_connections=args.max_connections, keep_alive_timeout=args.keep_alive_timeout)
+                max_connections=args.max_connections, keep_alive_timeout=args.keep_alive_timeout,
+                head_timeout=args.head_timeout)
 
 
 def one_shot(llm, prompt: str, chat: bool, params, out=None):

@@ -70,13 +70,13 @@ BUGS = [
 
     # ------------------------------------------------------------ bpe (tokenizer.py)
     Bug("bpe", "tokenizer.py", "merges the pair of HIGHEST rank first",
-        "_, i = min(pairs)", "_, i = max(pairs)"),
+        "heapq.heappush(heap, (r, i, parts[i], parts[j]))", "heapq.heappush(heap, (-r, i, parts[i], parts[j]))"),
     Bug("bpe", "tokenizer.py", "merges the leftmost mergeable pair, whatever its rank",
-        "_, i = min(pairs)", "_, i = pairs[0]"),
-    Bug("bpe", "tokenizer.py", "equal ranks: merges the rightmost occurrence first",
-        "_, i = min(pairs)", "_, i = min(pairs, key=lambda p: (p[0], -p[1]))"),
-    Bug("bpe", "tokenizer.py", "stops merging when two parts remain",
-        "while len(parts) > 1:", "while len(parts) > 2:"),
+        "heapq.heappush(heap, (r, i, parts[i], parts[j]))", "heapq.heappush(heap, (0, i, parts[i], parts[j]))"),
+    Bug("bpe", "tokenizer.py", "a stale pair is merged: its parts changed since it was pushed",
+        "if j >= n or parts[i] != a or parts[j] != b:", "if j >= n:"),
+    Bug("bpe", "tokenizer.py", "after a merge only the pair to its right is a new candidate",
+        "            candidate(prv[i])                           # the two new pairs\n", ""),
 
     # ------------------------------------------------------------ kv-cache-bytes (cache.py)
     Bug("kv-cache-bytes", "cache.py", "forgets the factor 2: counts K but not V",
@@ -183,9 +183,11 @@ BUGS = [
         "            out.append(ScheduledSeq(seq, seq.num_computed, count))\n            budget -= count\n"
         "        scheduled",
         "            out.append(ScheduledSeq(seq, seq.num_computed, count))\n        scheduled"),
+    Bug("scheduler-step", "scheduler.py", "seats counted as sequences: a prompt of n > 1 not yet forked holds one",
+        "seats = sum(self._seats(s) for s in self.running)", "seats = len(self.running)"),
     Bug("scheduler-step", "scheduler.py", "seat limit off by one: max_num_seqs - 1 sequences run",
-        "if len(self.running) + self._seats(seq) > self.max_num_seqs:",
-        "if len(self.running) + self._seats(seq) >= self.max_num_seqs:"),
+        "if seats + self._seats(seq) > self.max_num_seqs:",
+        "if seats + self._seats(seq) >= self.max_num_seqs:"),
     Bug("scheduler-step", "scheduler.py", "a prompt still being scored (prompt_logprobs) reads the prefix cache",
         "use_prefix_cache=seq.request.num_scored == seq.num_prompt)", "use_prefix_cache=True)"),
     Bug("scheduler-step", "scheduler.py", "a preempted sequence keeps its num_computed (stale cache count)",

@@ -264,6 +264,8 @@ def test_bad_request_fails_alone(tiny_llm):
     for bad in ["", "x " * 5000, [1, 2, 10**9]]:
         with pytest.raises(ValueError):
             llm.add_request(bad)
+    with pytest.raises(ValueError, match=r"U\+0004.*no token"):     # encoding would drop it silently
+        llm.add_request("abc\x04def")
     done = {}
     while llm.has_unfinished_requests():
         done.update({o.request_id: o for o in llm.step() if o.finished})

@@ -3,8 +3,8 @@
 To pass, implement:
   * uniform(key, position, stream): counter-based noise, the
     (position * 3 + stream)-th output of SplitMix64 started at the key, so a
-    seeded request gets the same tokens whatever its batch and after
-    preemption;
+    seeded request draws the same noise whatever its batch and after
+    preemption (and the tiny model's seeded tokens are the same);
   * filtered_probs: temperature, then min-p, top-k, then top-p per row
     (vLLM's order, against a direct reference), and draw: the inverse CDF of
     (unnormalized) rows with one uniform per row, never a zero-probability token;

@@ -156,6 +156,29 @@ def test_prefills_that_fill_the_pool_do_not_deadlock(tiny_path):
     assert_no_leak(llm)
 
 
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("engine", "copy-on-write")
+def test_a_burst_of_n_gt_1_requests_never_exceeds_the_seats(tiny_path):
+    """max_num_seqs counts SEATS: a request with n = 4 holds 4 from its admission on, though its
+    samples fork only when its prompt is done (a limit that counted running sequences let 6
+    requests with n = 4 and 10 with n = 1 put 17 sequences into a batch of 8). Every request
+    still completes, with all its samples, and no block leaks."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_seqs=8, max_num_batched_tokens=16)
+    rids = [llm.add_request([7 + i] * (20 + i), SamplingParams(max_tokens=6, n=4 if i < 6 else 1,
+                                                               ignore_eos=True))   # chunked prompts
+            for i in range(16)]
+    most, done = 0, {}
+    while llm.has_unfinished_requests():
+        outs = llm.step()
+        most = max(most, len(llm.scheduler.running))
+        done.update((o.request_id, o) for o in outs if o.finished)
+    assert most == 8, f"{most} sequences ran at once with max_num_seqs = 8"
+    assert sorted(done) == sorted(rids)
+    assert all(len(done[r].outputs) == (4 if i < 6 else 1) for i, r in enumerate(rids))
+    assert all(len(c.token_ids) == 6 for o in done.values() for c in o.outputs)
+    assert_no_leak(llm)
+
+
 def test_prefix_of_a_one_token_request_and_a_fully_cached_prompt(tiny_path):
     """A request that finishes in its prefill step still leaves its full blocks
     in the prefix cache; a prompt entirely in the cache recomputes only its

@@ -908,6 +908,27 @@ def test_bad_requests_get_error_objects(server, path, body, status, param):
     assert_ok(server)
 
 
+def test_a_body_that_is_not_json_says_what_it_was_sent_as(server):
+    """A form or plain-text body: the 400 names the Content-Type it came with and the one to send
+    (a JSON body under curl -d's form label included); a body in UTF-16 (which Python's JSON
+    would guess) is not UTF-8, which JSON on the wire must be: a 400 too."""
+    for data, ctype in ((b"prompt=hi&max_tokens=2", "application/x-www-form-urlencoded"),
+                        (b"hi there", "text/plain")):
+        got, out = request(server, "POST", "/v1/completions", raw=data, headers={"Content-Type": ctype})
+        assert_error(got, out, 400)
+        assert ctype in out["error"]["message"], out
+    got, out = request(server, "POST", "/v1/completions", raw=b'"just a string"')
+    assert_error(got, out, 400) and "JSON object" in out["error"]["message"]
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode("utf-16")
+    got, out = request(server, "POST", "/v1/completions", raw=body)
+    assert_error(got, out, 400, code="invalid_encoding")
+    got, out = request(server, "POST", "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": 2}',
+                       headers={"Content-Type": "application/x-www-form-urlencoded"})   # curl -d's label
+    assert_error(got, out, 400)
+    assert "application/json" in out["error"]["message"], "the fix is named"
+    assert_ok(server)
+
+
 def test_max_tokens_beyond_the_context_names_both_numbers(server):
     llm = server.engine.llm
     prompt = llm.tokenizer.encode("The harbor town")
@@ -1083,6 +1104,46 @@ def test_engine_refusal_arrives_as_a_400(server, monkeypatch):
     assert_ok(server)
 
 
+def test_a_prompt_the_vocabulary_cannot_hold_is_refused_naming_the_character(server):
+    """SmolLM2 has no token for 21 bytes (0x04, the lead byte of U+50000, ...). The reference
+    tokenizer drops them silently; the server refuses the prompt (or the chat message) instead,
+    with a 400 naming the character, and serves the next request."""
+    for path, body, param in (("/v1/completions", {"prompt": "ab\x04cd", "max_tokens": 2}, "prompt"),
+                              ("/v1/completions", {"prompt": ["ok", "x\U00050000y"], "max_tokens": 2}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi\x1d"}],
+                                                        "max_tokens": 2}, "messages"),
+                              ("/tokenize", {"prompt": "\x06"}, "prompt")):
+        status, out = request(server, "POST", path, body)
+        assert_error(status, out, 400, param)
+        assert "U+" in out["error"]["message"] and "no token" in out["error"]["message"], out
+    assert_ok(server)
+
+
+def test_tokenizing_runs_off_the_event_loop_and_a_long_prompt_is_refused_unread(server, monkeypatch):
+    """A prompt is encoded in a worker thread: while one is being tokenized, /health answers. A
+    prompt of more bytes than the context's tokens can hold (each token covers at most
+    max_token_bytes) is refused with context_length_exceeded before any tokenizer work."""
+    tok = server.engine.llm.tokenizer
+    encode, started, release = tok.encode, threading.Event(), threading.Event()
+
+    def slow(text, **kw):
+        started.set()
+        release.wait(10)
+        return encode(text, **kw)
+    monkeypatch.setattr(tok, "encode", slow)
+    worker = threading.Thread(target=request, args=(server, "POST", "/v1/completions",
+                                                    {"prompt": "long", "max_tokens": 1}))
+    worker.start()
+    assert started.wait(10)
+    assert request(server, "GET", "/health")[0] == 200, "the event loop waited for the tokenizer"
+    release.set()
+    worker.join(10)
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: pytest.fail("a hopeless prompt was tokenized"))
+    size = server.engine.llm.max_len * tok.max_token_bytes + 1
+    status, out = request(server, "POST", "/v1/completions", {"prompt": "a" * size, "max_tokens": 1})
+    assert_error(status, out, 400, "prompt", "context_length_exceeded")
+
+
 # ----------------------------------------------------------------------------
 # HTTP-level limits: size, framing, methods, slowness, connections, keys
 # ----------------------------------------------------------------------------
@@ -1168,7 +1229,7 @@ def test_slow_bodies_time_out_without_delaying_others(small_llm):
     """The body must arrive within body_timeout, however it trickles in (408); other clients
     are served meanwhile (one event loop, no thread per connection). An idle keep-alive
     connection is closed after keep_alive_timeout (uvicorn's). A client slow to send its
-    headers is not timed out here: that is the reverse proxy's job (docs/SERVING.md)."""
+    headers is head_timeout's (the next test)."""
     with serving(small_llm, body_timeout=1.0, keep_alive_timeout=1.0) as srv:
         addr = srv.server_address[:2]
         t0 = time.monotonic()
@@ -1207,6 +1268,64 @@ def test_slow_bodies_time_out_without_delaying_others(small_llm):
         assert data.startswith(b"HTTP/1.1 200") and 0.5 < time.monotonic() - t2 < 4, "keep-alive timeout"
         for sock in (slow_body, slow_headers, trickle, idle):
             sock.close()
+        assert_ok(srv)
+
+
+def test_connections_that_send_no_whole_head_are_closed(small_llm):
+    """--head-timeout: a connection that sends nothing, or a head that never ends, is closed once
+    it passes (uvicorn alone kept them for ever, and enough of them took every seat under
+    --max-connections: a 503 for everyone); a kept-alive connection gets the same deadline for
+    its next head. Meanwhile and after, the others are served."""
+    with serving(small_llm, max_connections=4, head_timeout=1.0, keep_alive_timeout=30.0) as srv:
+        addr = srv.server_address[:2]
+        held = [socket.create_connection(addr, timeout=10) for _ in range(2)]
+        held[1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")          # ... and never the end
+        time.sleep(0.2)
+        status, _, _, _ = raw_exchange(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 200, "two idle connections (the request's own the third of four): served"
+        held.append(socket.create_connection(addr, timeout=10))
+        time.sleep(0.2)
+        status, _, _, _ = raw_exchange(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 503, "three idle connections and the request's own hold every seat"
+        t0 = time.monotonic()
+        assert all(sock.recv(1) == b"" for sock in held), "an idle connection must be closed"
+        assert time.monotonic() - t0 < 3, "closed about head_timeout after it opened"
+        assert request(srv, "GET", "/health")[0] == 200
+        kept = socket.create_connection(addr, timeout=10)
+        kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = http.client.HTTPResponse(kept)
+        resp.begin()
+        resp.read()
+        t1 = time.monotonic()
+        assert resp.status == 200 and kept.recv(1) == b"" and time.monotonic() - t1 < 3, \
+            "a kept-alive connection's next head has head_timeout too, not keep_alive_timeout (30 s)"
+        for sock in held + [kept]:
+            sock.close()
+        assert_ok(srv)
+
+
+def test_a_burst_of_n_gt_1_requests_never_overfills_the_batch(tiny_path):
+    """--max-num-seqs 8 and, at once, 6 requests with n = 4 and 10 with n = 1 (each prompt chunked
+    over steps, so a request's samples fork steps after it was admitted): /metrics never shows
+    more than 8 running sequences, and every request is answered with all its choices."""
+    llm = LLM(tiny_path, device="cpu", dtype="float32", max_num_seqs=8, kv_cache_bytes=1 << 22,
+              max_num_batched_tokens=16)
+    with serving(llm) as srv:
+        bodies = [{"prompt": [7 + i] * (20 + i), "max_tokens": 8, "n": 4 if i < 6 else 1,
+                   "temperature": 0.8, "seed": i, "ignore_eos": True} for i in range(16)]
+        answers, most = [None] * 16, 0
+
+        def post(i):
+            answers[i] = request(srv, "POST", "/v1/completions", bodies[i])
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            most = max(most, metric(srv, "nanoinfer_requests_running"))
+        assert most <= 8, f"{most} sequences ran at once with --max-num-seqs 8"
+        for i, (status, out) in enumerate(answers):
+            assert status == 200 and len(out["choices"]) == bodies[i]["n"], (status, out)
+        wait_all_free(llm)
         assert_ok(srv)
 
 
@@ -1440,6 +1559,7 @@ def test_sigterm_drains_and_exits_0(tiny_path):
         proc.kill() if proc.poll() is None else None
     assert stream_error(payload)["code"] == "server_shutting_down"
     assert_error(*full["r"], 503, code="server_shutting_down")
+    assert full["r"][1]["error"]["type"] == "server_error", "shutting down is not overload"
     m = re.search(r"(\d+) aborted\); (\d+)/(\d+) KV blocks free", output)
     assert m and m.group(1) == "2" and m.group(2) == m.group(3), f"drain report: {output[-300:]}"
 
@@ -1476,7 +1596,7 @@ def test_command_line_flags_reach_the_engine_and_the_server(tiny_path, monkeypat
                 "--max-num-batched-tokens", "96", "--no-enable-prefix-caching", "--speculative", "ngram",
                 "--num-speculative-tokens", "3", "--max-waiting", "7", "--max-connections", "9",
                 "--max-body-bytes", "12345", "--max-request-tokens", "777", "--keep-alive-timeout", "1.5",
-                "--body-timeout", "2.5", "--drain-seconds", "4.5"])
+                "--body-timeout", "2.5", "--head-timeout", "3.5", "--drain-seconds", "4.5"])
     srv, llm = got["server"], got["server"].engine.llm
     per_token = kv_cache_bytes(llm.config, torch.float32)
     assert (llm.device.type, llm.dtype) == ("cpu", torch.float32)
@@ -1485,10 +1605,10 @@ def test_command_line_flags_reach_the_engine_and_the_server(tiny_path, monkeypat
     assert llm.block_manager.enable_prefix_caching is False
     assert llm.speculation is not None and llm.speculation.k == 3
     assert srv.limits == {"api_key": "from-env", "max_body_bytes": 12345, "body_timeout": 2.5,
-                          "max_connections": 9, "keep_alive_timeout": 1.5}
+                          "max_connections": 9, "keep_alive_timeout": 1.5, "head_timeout": 3.5}
     assert (srv.engine.max_waiting, srv.app.state.max_request_tokens) == (7, 777)
     config = srv.uvicorn.config
-    assert (config.limit_concurrency, config.timeout_keep_alive) == (9, 1.5)
+    assert (config.limit_concurrency, config.timeout_keep_alive, config.http.head_timeout) == (9, 1.5, 3.5)
     assert got["drain"] == 4.5 and srv.server_address[1] > 0
     out, err = capsys.readouterr()
     assert f":{srv.server_address[1]}/v1" in out and "with an API key" in out, out

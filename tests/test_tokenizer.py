@@ -50,6 +50,28 @@ def test_unrepresentable_bytes_never_crash(real_tokenizer):
     assert real_tokenizer.decode(ids).startswith("x") and real_tokenizer.decode(ids).endswith("y")
 
 
+@pytest.mark.assignment("bpe")
+def test_the_merge_loop_is_not_quadratic_in_a_words_length(real_tokenizer, monkeypatch):
+    """A word with a byte the vocabulary lacks takes _bpe (tiktoken refuses it): a client's one
+    "\x04" + 12,000 letters took 23 s with a loop that rescans every pair after each merge. The
+    vocabulary lookups per byte must stay about flat as the word grows 8x (a rescanning loop's
+    grow 8x too), and the ids are the ones without the lacking byte (the reference drops it)."""
+    tok, calls = real_tokenizer, [0]
+
+    class Counting(dict):
+        def get(self, key, default=None):
+            calls[0] += 1
+            return dict.get(self, key, default)
+    monkeypatch.setattr(tok, "ranks", Counting(tok.ranks))
+    per_byte = []
+    for n in (500, 4000):
+        calls[0] = 0
+        ids = tok.encode("\x04" + "ab" * n)
+        assert ids == tok.enc.encode("ab" * n), "the lacking byte is dropped, the rest merged as tiktoken does"
+        per_byte.append(calls[0] / (2 * n))
+    assert per_byte[1] < 2 * per_byte[0] + 1, f"lookups per byte grew from {per_byte[0]:.1f} to {per_byte[1]:.1f}"
+
+
 @pytest.mark.parametrize("text", ["Hello, world!", "  leading and trailing  ", "tabs\tand\nnewlines\r\n",
                                   "numbers 1234567890 3.14", "naïve café 日本語 😀👍🏽🇫🇷", "x" * 1000,
                                   "def f(x):\n    return x ** 2\n", ""])
