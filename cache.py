@@ -28,6 +28,7 @@ import itertools
 import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -164,7 +165,7 @@ class AttentionContext:
         """input_ids[N], positions[N] and a context for `work` (as flatten_step's): the
         simple builder (tests, bench.py); the engine's fast one is graphs.StepInputs."""
         apply_pending_copies(cache, block_manager)
-        tables = pad_sequence([torch.tensor(block_manager.tables[w[0]]) for w in work],
+        tables = pad_sequence([torch.tensor(block_manager.tables[sid]) for sid, *_ in work],
                               batch_first=True)                                # [B, W]
         ids, positions, slots, query_lens, seq_lens = flatten_step(
             work, tables.numpy(), np.arange(len(work)), block_manager.block_size)
@@ -176,19 +177,26 @@ class AttentionContext:
 
 
 # --- One step's work as one flat batch (AttentionContext.build, graphs.StepInputs)
+class Work(NamedTuple):
+    """One sequence's part of a step (a plain (seq_id, tokens, start, ...) tuple does as well)."""
+    seq_id: int
+    tokens: list[int]       # the token ids it feeds: a prefill chunk, or 1 (+ drafts)
+    start: int              # the position of the first of them
+
+
 def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
-    """The scheduled work as the model's flat batch of N tokens (numpy int64, no Python loop
-    over tokens). work[b] = (seq_id, token ids fed, first position, ...), tables[rows[b]] its
-    block table. Returns input_ids[N], positions[N], slot_mapping[N], query_lens[B] (tokens
-    fed) and seq_lens[B] (tokens in cache after the step)."""
-    query_lens = np.array([len(w[1]) for w in work], dtype=np.int64)
-    starts = np.array([w[2] for w in work], dtype=np.int64)
+    """The scheduled work (a Work per sequence) as the model's flat batch of N tokens (numpy
+    int64, no Python loop over tokens); tables[rows[b]] is work[b]'s block table. Returns
+    input_ids[N], positions[N], slot_mapping[N], query_lens[B] (tokens fed) and seq_lens[B]
+    (tokens in cache after the step)."""
+    query_lens = np.array([len(tokens) for _, tokens, *_ in work], dtype=np.int64)
+    starts = np.array([start for _, _, start, *_ in work], dtype=np.int64)
     N = int(query_lens.sum())
     first = np.cumsum(query_lens) - query_lens                        # each sequence's start in [N]
     positions = np.repeat(starts - first, query_lens) + np.arange(N)   # start_b, start_b + 1, ...
     token_rows = np.repeat(rows, query_lens)                          # each token's row of `tables`
     slots = tables[token_rows, positions // block_size] * block_size + positions % block_size
-    fed = itertools.chain.from_iterable(w[1] for w in work)
+    fed = itertools.chain.from_iterable(tokens for _, tokens, *_ in work)
     input_ids = np.fromiter(fed, dtype=np.int64, count=N)
     return input_ids, positions, slots, query_lens, starts + query_lens
 
@@ -242,6 +250,8 @@ class BlockManager:
         # end assignment
 
     def _release(self, block: int):
+        """One reference fewer; at ref count 0 the block goes to the BACK of free_blocks (the most
+        recently used end: evicted last, so a freed prefix stays cached longest)."""
         # assignment: block-allocation
         self.ref_count[block] -= 1
         assert self.ref_count[block] >= 0, f"block {block} freed more often than taken"

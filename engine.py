@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cache import BlockManager, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
+from cache import BlockManager, Work, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
 from graphs import MAX_ROWS, CompiledDecoder, StepInputs
 from model import default_model_path, load_model
 from parallel import TensorParallelError, TensorParallelGroup
@@ -152,9 +152,9 @@ class Isolation:
     def _nothing_scheduled(self):
         """With nothing running, the oldest waiting request can never fit: fail it, not spin."""
         if not self.scheduler.running and self.scheduler.waiting:
-            seq = self.scheduler.waiting[0]
-            self._fail(seq.request, checks.unschedulable(
-                seq.request.request_id, len(seq.token_ids), self.block_manager.num_blocks))
+            seq, blocks = self.scheduler.waiting[0], self.block_manager.num_blocks
+            self._fail(seq.request, f"request {seq.request.request_id} cannot be scheduled even in "
+                       f"an empty engine ({len(seq.token_ids)} tokens, {blocks} blocks)")
 
 
 # --- The engine ----------------------------------------------------------------
@@ -300,7 +300,7 @@ class LLM(Isolation):
         apply_pending_copies(self.cache, self.block_manager)     # copy-on-write before any write
         N = sum(item.count for item in batch)
         select = None if logits_rows == list(range(N)) else logits_rows   # None: every row
-        hb = self.inputs.host([(it.seq.seq_id, it.tokens, it.start) for it in batch], select)
+        hb = self.inputs.host([Work(it.seq.seq_id, it.tokens, it.start) for it in batch], select)
         pending = self.in_flight.pending_rows(hb, batch) if self.in_flight else None
         # compiled: every step that fits a bucket, mixed ones as rows (graphs.py); else eager
         layout = self.decoder and self.decoder.layout(hb.query_lens, hb.seq_lens, len(logits_rows))
@@ -486,7 +486,7 @@ def load_engine_model(c: EngineConfig):
         model, config = tp.model, tp.full_config
     else:
         model, config = load_model(c.path, device=c.device, dtype=c.dtype)
-        if c.quantization is not None:     # int8 weights: a quarter of fp32's bytes per step
+        if c.quantization is not None:     # fewer bytes a weight: fewer bytes read per step
             quantize_model(model, c.quantization, None if c.quantization != "awq" else
                            calibration_ids(Tokenizer.from_pretrained(tokenizer_path(c.path))))
     checks.say_random_weights(c.path, config.random_seed)

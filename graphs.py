@@ -22,7 +22,6 @@ LLM(compile=True), every step of up to MAX_ROWS tokens runs in CompiledDecoder.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.fx.experimental._config
+import torch.nn as nn
 
 from cache import flatten_step
 from kernels import QueryGroup, StepContext, on_cuda, paged_attention_in_place, paged_decode
@@ -116,9 +116,9 @@ class StepInputs:
         self.bm.changed.clear()
 
     def host(self, work, logits_rows=None) -> HostBatch:
-        """work: (seq_id, token ids fed, first position) per sequence, in batch order."""
+        """work: a cache.Work (seq_id, tokens fed, first position) per sequence, in batch order."""
         self._refresh_tables()
-        rows = np.array([self.row_of[w[0]] for w in work], dtype=np.int64)
+        rows = np.array([self.row_of[seq_id] for seq_id, *_ in work], dtype=np.int64)
         ids, positions, slots, query_lens, seq_lens = flatten_step(work, self.tables, rows, self.bs)
         return HostBatch(ids, positions, slots, rows, seq_lens, query_lens,
                          None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64))
@@ -241,30 +241,48 @@ def _head(lm_head, x):  # pragma: no cover (compiled: the LM head; int8 fuses th
     return lm_head(x)
 
 
-class CompiledModel:
-    """What Transformer.forward reads from `self`, every block and the LM head replaced by a call
-    of the ONE compiled graph for them. Regional compilation: one block costs one block's compile
-    whatever the depth, and model.py's own forward runs the step (no drift); it gives up fusion
-    across blocks and pays a guard check per block per call."""
+class CompiledBlock(nn.Module):
+    """Layer i of the model as a call of the ONE compiled graph of a block (its own weights,
+    passed in: a weight is a graph input, so every layer shares the graph). ctx.layers[i]: the
+    context of its layer (LayerContext, over its layer's cache)."""
 
-    def __init__(self, model):
-        self.config, self.inv_freq = model.config, model.inv_freq
-        self.embed_tokens, self.norm = model.embed_tokens, model.norm
-        # Each model and dtype compiled in one process adds variants; dynamo's default limit is 8.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        # Inductor's coalescing analysis (torch 2.11-2.13) asserts on this block's dynamic shapes at
-        # Llama-3.1-8B's width on CUDA ("failed to set ranges", an H200); it only picks tilings.
-        opts = ({"options": {"triton.coalesce_tiling_analysis": False}}
-                if BACKEND == "inductor" else {})
-        block, head = (torch.compile(f, fullgraph=True, backend=BACKEND, **opts)
-                       for f in (_block, _head))
-        self.layers = [functools.partial(self._run_block, block, i, b)
-                       for i, b in enumerate(model.layers)]
-        self.lm_head = lambda x: head(model.lm_head, dynamic(x, 0))
+    def __init__(self, compiled, block: nn.Module, i: int):
+        super().__init__()
+        self.compiled, self.block, self.i = compiled, block, i
 
-    @staticmethod
-    def _run_block(compiled, i, block, x, cos, sin, ctx):
-        return compiled(block, dynamic(x, 0), dynamic(cos, 0), dynamic(sin, 0), ctx.layers[i])
+    def forward(self, x, cos, sin, ctx):
+        return self.compiled(self.block, dynamic(x, 0), dynamic(cos, 0), dynamic(sin, 0),
+                             ctx.layers[self.i])
+
+
+class CompiledHead(nn.Module):
+    """The LM head as a call of its compiled graph (int8's conversion fuses there too)."""
+
+    def __init__(self, compiled, lm_head: nn.Module):
+        super().__init__()
+        self.compiled, self.lm_head = compiled, lm_head
+
+    def forward(self, x):
+        return self.compiled(self.lm_head, dynamic(x, 0))
+
+
+def compiled_regions(model: nn.Module) -> nn.Module:
+    """The model (a shallow copy: the same weights) with every block and the LM head replaced by
+    a call of the ONE compiled graph for them: calling it runs model.py's own forward (no drift).
+    Regional compilation: one block costs one block's compile whatever the depth; it gives up
+    fusion across blocks and pays a guard check per block per call."""
+    # Each model and dtype compiled in one process adds variants; dynamo's default limit is 8.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # Inductor's coalescing analysis (torch 2.11-2.13) asserts on this block's dynamic shapes at
+    # Llama-3.1-8B's width on CUDA ("failed to set ranges", an H200); it only picks tilings.
+    opts = {"options": {"triton.coalesce_tiling_analysis": False}} if BACKEND == "inductor" else {}
+    block, head = (torch.compile(f, fullgraph=True, backend=BACKEND, **opts)
+                   for f in (_block, _head))
+    regions = copy.copy(model)
+    regions._modules = dict(model._modules)       # its own table of submodules, not the model's
+    regions.layers = nn.ModuleList(CompiledBlock(block, b, i) for i, b in enumerate(model.layers))
+    regions.lm_head = CompiledHead(head, model.lm_head)
+    return regions
 
 
 class CompiledDecoder:
@@ -285,7 +303,7 @@ class CompiledDecoder:
         self.widths = width_buckets(max_blocks_per_seq)
         self.query_sizes = sorted(set(query_sizes) | {1})
         self.device, self.cuda = cache.k.device, on_cuda(cache.k.device)
-        self.regions = CompiledModel(model)
+        self.regions = compiled_regions(model)
         self.layer_caches = [layer_cache(cache, i) for i in range(model.config.n_layers)]
         # logits: every row of a "queries" bucket; a bigger bucket gathers this many rows first
         self.max_logits = self.batch_sizes[-1] * self.query_sizes[-1]
@@ -388,12 +406,15 @@ class CompiledDecoder:
         """The step itself: Transformer.forward's code over the compiled blocks."""
         ids, positions, ctx = self._bucket(key)
         with size_oblivious():
-            logits = type(self.model).forward(self.regions, ids, positions, ctx)    # [rows, V]
+            logits = self.regions(ids, positions, ctx)                           # [rows, V]
         self.logits[:len(logits)].copy_(logits)
 
     def _run(self, key):
         """Run bucket `key` on what its static inputs hold: its CUDA graph's replay, or the step."""
-        self.graphs[key].replay() if key in self.graphs else self._forward(key)
+        if key in self.graphs:
+            self.graphs[key].replay()
+        else:
+            self._forward(key)
 
     def _record(self, key):
         """CUDA: record bucket `key`'s whole step, eager parts included, as ONE graph (not
@@ -451,7 +472,10 @@ class CompiledDecoder:
         t0 = time.perf_counter()
         for key in self.warmup_buckets():
             self.load_scratch(key)
-            self._record(key) if self.cuda and key not in self.graphs else self._run(key)
+            if self.cuda and key not in self.graphs:
+                self._record(key)
+            else:
+                self._run(key)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

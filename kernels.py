@@ -31,6 +31,11 @@ from support.gpu import autotune, configs, jit, tl, triton
 STRICT_SDPA = False
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers, without floats."""
+    return (a + b - 1) // b
+
+
 def on_cuda(device) -> bool:
     """Does this run take CUDA's code paths? (tests/cuda_sim.py says yes on a CPU.)"""
     return torch.device(device).type == "cuda"
@@ -227,8 +232,8 @@ def launch_paged_decode(q, k, v, block_tables, q_pos, window: int, splits: int |
     BLOCK_T = 64
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        splits = max(1, min(-(-2 * sms // (B * n_kv)), -(-W * bs // 256)))     # >= 256 keys a split
-    chunk = -(-(-(-W * bs // splits)) // BLOCK_T) * BLOCK_T                       # keys per split
+        splits = max(1, min(cdiv(2 * sms, B * n_kv), cdiv(W * bs, 256)))      # >= 256 keys a split
+    chunk = cdiv(cdiv(W * bs, splits), BLOCK_T) * BLOCK_T     # keys per split, whole key tiles
     f32 = dict(device=q.device, dtype=torch.float32)              # per split: sum p v, max, sum p
     out = torch.empty_like(q) if splits == 1 else torch.empty(splits, B, Q, H, d, **f32)
     m, den = torch.empty(splits, B, Q, H, **f32), torch.empty(splits, B, Q, H, **f32)

@@ -72,6 +72,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        """x [..., D] -> the same shape and dtype (the order above)."""
         # assignment: rmsnorm-rope
         dtype = x.dtype
         x = x.float()

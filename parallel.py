@@ -108,6 +108,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear, rank: int, world_size: int, comm: Collectives | None = None,
                  parts: list[int] | None = None):
+        """Keep rank r's slice of the output rows of weight, bias and int8 scale (_narrow_; a
+        stacked linear: of each part); out_features becomes out / N."""
         super().__init__()
         check_shardable(linear, (nn.Linear, Int8Linear))        # once, right after loading
         # assignment: tensor-parallel
@@ -129,6 +131,8 @@ class RowParallelLinear(nn.Module):
     keeps all of them: sum_r scale * (x_r q_r^T) = scale * x q^T, exactly as unsharded."""
 
     def __init__(self, linear, rank: int, world_size: int, comm: Collectives):
+        """Keep rank r's slice of the weight's input columns; in_features becomes in / N; the
+        bias moves to the buffer `bias`, added once after the all-reduce (linear.bias: None)."""
         super().__init__()
         check_shardable(linear, (nn.Linear, Int8Linear))        # once, right after loading
         # assignment: tensor-parallel
@@ -141,6 +145,7 @@ class RowParallelLinear(nn.Module):
         self.linear, self.comm = linear, comm
 
     def forward(self, x):                                        # [T, in/N]
+        """Every rank's partial product, summed by comm.all_reduce, then + bias: [T, out]."""
         # assignment: tensor-parallel
         y = self.comm.all_reduce(self.linear(x))                 # [T, out]: partial sums -> the sum
         return y if self.bias is None else y + self.bias
@@ -164,6 +169,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.embed.weight
 
     def forward(self, ids):                                      # [T] -> [T, D]
+        """Its rows for the ids in [start, end), zeros for the others, summed over ranks."""
         # assignment: tensor-parallel
         mine = (ids >= self.start) & (ids < self.end)            # [T] ids this rank holds
         x = self.embed(torch.where(mine, ids - self.start, 0))   # others' ids read row 0 ...

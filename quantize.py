@@ -106,6 +106,7 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scale", scale.to(self.scale_dtype or linear.weight.dtype))  # [out]
 
     def forward(self, x):
+        """x [..., in] -> (x @ q^T) * scale (+ bias) [..., out] in x's dtype, by the paths above."""
         # assignment: int8
         if (x.device.type == "cuda" and triton is not None
                 and x.numel() <= INT8_KERNEL_ROWS * self.in_features):

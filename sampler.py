@@ -212,15 +212,19 @@ class Sampled:
 
     def result(self) -> list:
         """Per sequence (tokens, logprobs or None, finite), on the host."""
-        host, K = self.copies.wait(), max(len(r.drafts) for r in self.reqs)
+        packed, *rest = self.copies.wait()        # packed [S, K + 3], then logprobs, then also
         if self.also:
-            self.also[:] = host[len(host) - len(self.also):]
-        out = [(row[:row[K + 1] + 1], None, bool(row[K + 2])) for row in host[0]]
+            self.also[:] = rest[len(rest) - len(self.also):]
+        chosen, values, ids = rest[:3] if self.want_lp else ([], [], [])
+        K, out = max(len(r.drafts) for r in self.reqs), []
+        for row in packed:            # K + 1 tokens (the judged drafts + one), n accepted, finite
+            tokens, n_accepted, finite = row[:K + 1], row[K + 1], row[K + 2]
+            out.append((tokens[:n_accepted + 1], None, bool(finite)))
         for j, s in enumerate(self.want_lp):      # per token: (chosen logprob, {other: logprob})
-            m, k = out[s][0], self.reqs[s].params.logprobs
-            chosen, values, ids = host[1][j], host[2][j], host[3][j]
-            info = [(chosen[i], dict(zip(ids[i][:k], values[i][:k]))) for i in range(len(m))]
-            out[s] = (m, info, out[s][2])
+            tokens, k = out[s][0], self.reqs[s].params.logprobs
+            info = [(chosen[j][i], dict(zip(ids[j][i][:k], values[j][i][:k])))
+                    for i in range(len(tokens))]
+            out[s] = (tokens, info, out[s][2])
         return out
 
 

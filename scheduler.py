@@ -63,7 +63,11 @@ class Scheduler:
         return max(0, min(count, len(table) * bs - start + self.bm.num_free_blocks * bs))
 
     def preempt(self, seq: Sequence):
-        """Preemption by recompute: drop the cache, keep the tokens, requeue first."""
+        """Preemption by recompute: drop the cache, keep the tokens, requeue first. The sequence
+        leaves `running`, its blocks are freed (BlockManager.free) and every release_hooks(seq)
+        is called (the drafter drops its draft cache); num_computed = 0, status WAITING, its
+        drafts dropped; request.metrics.preemptions and self.num_preemptions count it; it goes to
+        the FRONT of `waiting` (it arrived before everything still waiting)."""
         # assignment: scheduler-step
         self.running.remove(seq)
         self.bm.free(seq.seq_id)
@@ -77,6 +81,10 @@ class Scheduler:
         # end assignment
 
     def schedule(self) -> list[ScheduledSeq]:
+        """This step's work: _schedule_once's. If it schedules nothing while a running sequence
+        still has tokens to feed, every running sequence is waiting for blocks: preempt the
+        NEWEST running sequence and try again (at most len(running) + 1 times; a running sequence
+        with nothing to feed, remaining == 0, waits for its last token and is not stuck)."""
         # assignment: scheduler-step
         for _ in range(len(self.running) + 1):
             out = self._schedule_once()
@@ -88,6 +96,22 @@ class Scheduler:
         # end assignment
 
     def _schedule_once(self) -> list[ScheduledSeq]:
+        """One pass within the token budget (max_num_batched_tokens) and the seats (max_num_seqs),
+        each sequence at most once, each with its blocks reserved (BlockManager.reserve):
+        (1) every decoding sequence (remaining == 1), oldest first: 1 + len(draft_tokens) tokens;
+            drafts that do not fit the budget left are dropped (1 token); while the pool cannot
+            hold its slots, the NEWEST running sequence is preempted (itself, if it is the newest);
+        (2) every other running sequence (a prompt being prefilled): a chunk of what fits the
+            budget and the free blocks (_fit), none if nothing fits;
+        (3) waiting sequences in arrival order, never skipping one: admitted while the budget
+            lasts and the seats hold it (a prompt of n > 1 samples takes n seats: _seats; count
+            the seats of every running sequence the same way), its blocks allocated with the
+            prefix cache (BlockManager.allocate; use_prefix_cache=False while its request still
+            scores its prompt: prompt_logprobs), then a chunk that fits (_fit; nothing fits: free
+            its blocks and stop admitting). An admitted sequence becomes RUNNING, num_computed =
+            the cached tokens; its request's metrics get first_scheduled_time and cached_tokens
+            on its first admission only.
+        Returns the ScheduledSeq of each, in that order."""
         # assignment: scheduler-step
         # The token budget bounds one forward pass: decode tokens are cheap (memory-bound), prefill
         # tokens are compute; chunked prompts keep each step short, so no decode stalls behind one.

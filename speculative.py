@@ -14,8 +14,9 @@ The rule that keeps the target's distribution EXACTLY (Leviathan et al. 2023, Ch
 (Why: P(output = x) = p(x) min(1, q/p) + P(reject) * residual(x) = q(x).)
 Greedy decoding is the special case of one-hot q and p: accept while the draft is the target's
 argmax, then emit the argmax. With an acceptance rate a per token, a pass yields
-(1 - a^(k+1)) / (1 - a) tokens on average; if a draft token costs r target passes, the expected
-speedup is (k*a + 1) / (1 + k*r) in the lecture's simplified form.
+(1 - a^(k+1)) / (1 - a) tokens on average, so the expected speedup is that over c, the cost
+of a step that drafts and verifies, in plain decode steps (1 + k*r when a draft token costs r
+target passes; bench.py measures c): speedup = (1 - a^(k+1)) / ((1 - a) * c), as in the README.
 
 Place in the data flow: LLM.step() (engine.py, engine.Speculation) asks a drafter for up to k
 tokens per decoding sequence, runs the target once over each one's 1 + k tokens, verifies all
@@ -27,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cache import BlockManager, KVCache
+from cache import BlockManager, KVCache, Work
 from model import load_model
 from support import checks
 from tokenizer import Tokenizer
@@ -99,6 +100,9 @@ class NgramDrafter:
         self.n_max, self.n_min = n_max, n_min
 
     def propose_one(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k draft tokens for a sequence: for n from n_max down to n_min, its last n tokens
+        searched for in the tokens before them; at the most recent match, the (at most k) tokens
+        that followed it; [] if no n matches."""
         # assignment: ngram-drafter
         L = len(token_ids)
         for n in range(self.n_max, self.n_min - 1, -1):      # longest match first
@@ -151,12 +155,12 @@ class ModelDrafter:
                 if not self.bm.can_append(sid, start, len(new)):
                     continue                                   # draft pool full: fewer drafts
                 self.bm.reserve(sid, start, len(new))
-                work.append((sid, new, start))
+                work.append(Work(sid, new, start))
                 self.computed[sid] = start + len(new)
                 active.append(i)
             if not work:
                 break
-            last_rows = np.cumsum([len(w[1]) for w in work]) - 1     # each sequence's last token
+            last_rows = np.cumsum([len(w.tokens) for w in work]) - 1   # each sequence's last token
             hb = self.inputs.host(work, last_rows)
             input_ids, positions, ctx = self.inputs.device(hb, self.cache)
             tokens, probs = sample_fn(self.model(input_ids, positions, ctx), active, step)

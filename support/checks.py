@@ -205,12 +205,6 @@ def naming(what: str):
         raise type(e)(f"{what}: {e}") from None
 
 
-def unschedulable(request_id, num_tokens: int, num_blocks: int) -> str:
-    """Why a request fails at once: even an empty engine could not hold it."""
-    return (f"request {request_id} cannot be scheduled even in an "
-            f"empty engine ({num_tokens} tokens, {num_blocks} blocks)")
-
-
 def generate_inputs(prompts, params) -> tuple[list, list]:
     """LLM.generate's arguments as two lists of one length: a single prompt (a string or token
     ids) becomes a list of one, a single SamplingParams (or None) serves every prompt."""

@@ -79,7 +79,9 @@ class Assignment:
     spec: str       # one line: what the code between the markers must do
 
 
-# In the order of the tour, which is the order to do them in.
+# In the order to do them in (the tour's, but where a lesson needs another first): no assignment's
+# tests need a later one (tests/test_assignments.py holds it).
+
 ASSIGNMENTS = {
     "rmsnorm-rope": Assignment(
         "1. the model (model.py): RMSNorm and RoPE",
@@ -97,10 +99,6 @@ ASSIGNMENTS = {
         "4. the KV cache (cache.py): its size",
         "bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value, times the tokens; "
         "and how many whole blocks of block_size tokens a byte budget holds"),
-    "paged-attention": Assignment(
-        "5. paged attention (cache.py): the reference",
-        "each sequence's new queries attend, through its block table, to its own cached tokens at positions "
-        "<= their own (query i sits at seq_len - query_len + i)"),
     "block-allocation": Assignment(
         "5. paged attention (cache.py): blocks, ref counts, the free list",
         "take the least recently used free block (ref count 1), release to the most recently used end at "
@@ -113,33 +111,41 @@ ASSIGNMENTS = {
         "5. paged attention (cache.py): copy-on-write",
         "fork shares every block of the parent (ref counts up, nothing copied); reserve gives a sequence "
         "about to write a shared block a private copy, recorded in pending_copies"),
-    "sliding-window": Assignment(
-        "5. paged attention (model.py, cache.py): sliding-window attention",
-        "in_window: the query at position q sees key position k iff q - W < k (Mistral); reserve frees the "
-        "blocks wholly before the window of its first new position (newest first, down to one freed before), "
-        "each entry then pointing at the null block, which holds one more reference"),
+    "paged-attention": Assignment(
+        "5. paged attention (cache.py): the reference",
+        "each sequence's new queries attend, through its block table, to its own cached tokens at positions "
+        "<= their own (query i sits at seq_len - query_len + i)"),
+    "decode-attention": Assignment(
+        "5. paged attention (kernels.py): a whole step's attention at once",
+        "one padded, masked attention for a batch of sequences over their paged KV: one gather through the "
+        "block tables, a position mask, GQA without copying k or v"),
     "scheduler-step": Assignment(
         "6. continuous batching (scheduler.py): the step",
         "decodes first (preempting the newest running sequence while the pool is short), then prefill chunks, "
         "then FCFS admissions within seats and the token budget; preempt requeues at the front; a request still "
         "scoring its prompt (prompt_logprobs) is admitted with allocate(..., use_prefix_cache=False)"),
+    "sliding-window": Assignment(
+        "6. continuous batching over a window (model.py, cache.py): sliding-window attention",
+        "in_window: the query at position q sees key position k iff q - W < k (Mistral); reserve frees the "
+        "blocks wholly before the window of its first new position (newest first, down to one freed before), "
+        "each entry then pointing at the null block, which holds one more reference"),
+    "stop-strings": Assignment(
+        "6. continuous batching (sampler.py): stop strings",
+        "Knuth-Morris-Pratt over streamed text with the given failure tables: feed returns (end, length) of "
+        "the first stop string completed (the longest of those ending there), partial the longest match still open"),
     "sampler": Assignment(
         "6. continuous batching (sampler.py): the sampler",
         "temperature, then min-p, top-k, top-p per row; vLLM's repetition/presence/frequency penalties (verification "
         "row j counting drafts 0..j-1); an inverse-CDF draw with one uniform per row; "
         "counter-based uniform noise from (key, position, stream)"),
-    "stop-strings": Assignment(
-        "6. continuous batching (sampler.py): stop strings",
-        "Knuth-Morris-Pratt over streamed text with the given failure tables: feed returns (end, length) of "
-        "the first stop string completed (the longest of those ending there), partial the longest match still open"),
-    "rejection-sampling": Assignment(
-        "7. speculative decoding (speculative.py): the rejection rule",
-        "accept draft i with probability min(1, q/p), resample the first rejection from normalize(max(q - p, 0)), "
-        "add a bonus token from q when every draft is accepted; one sequence and batched"),
     "ngram-drafter": Assignment(
         "7. speculative decoding (speculative.py): prompt lookup",
         "propose the k tokens that followed the most recent earlier occurrence of the longest suffix n-gram, "
         "trying n from n_max down to n_min"),
+    "rejection-sampling": Assignment(
+        "7. speculative decoding (speculative.py): the rejection rule",
+        "accept draft i with probability min(1, q/p), resample the first rejection from normalize(max(q - p, 0)), "
+        "add a bonus token from q when every draft is accepted; one sequence and batched"),
     "int8": Assignment(
         "8. int8 weights (quantize.py)",
         "symmetric absmax int8 along one axis (round, clamp to +-127, scale 1 for an all-zero slice), its "
@@ -154,10 +160,6 @@ ASSIGNMENTS = {
         "AWQ's grid search: s = mean|x|^alpha per input channel (clamped, normalised to sqrt(max * min) = 1) "
         "for the alpha of the grid whose int4 layer (W * s quantized, / s) errs least on the calibration "
         "outputs"),
-    "decode-attention": Assignment(
-        "3 and 9. decode is memory-bound; compiled decode (kernels.py)",
-        "one padded, masked attention for a batch of sequences over their paged KV: one gather through the "
-        "block tables, a position mask, GQA without copying k or v"),
     "tensor-parallel": Assignment(
         "10. tensor parallelism (parallel.py)",
         "column-parallel keeps rank r's output rows, row-parallel its input columns and all-reduces before "
@@ -296,6 +298,39 @@ def find_tests(root: str = ROOT) -> dict[str, list[str]]:
                         raise SystemExit(f"tests/{fname}::{node.name}: unknown assignment {name!r}")
                     tests[name].append(f"tests/{fname}::{node.name}")
     return tests
+
+
+def test_needs(root: str = ROOT) -> dict[str, tuple[list[str], list[str]]]:
+    """{"tests/test_x.py::test_name": (assignments it grades, assignments it runs through)}, the
+    needs expanded (groups, and the file's own pytestmark)."""
+    out = {}
+    folder = os.path.join(root, "tests")
+    for fname in sorted(f for f in os.listdir(folder) if f.startswith("test_") and f.endswith(".py")):
+        with open(os.path.join(folder, fname), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), fname)
+        module = [a for node in tree.body if isinstance(node, ast.Assign)
+                  and any(getattr(t, "id", "") == "pytestmark" for t in node.targets)
+                  for v in (node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value])
+                  for a in marker_args(v, "needs")]
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+                graded = [a for d in node.decorator_list for a in marker_args(d, "assignment")]
+                needs = expand(module + [a for d in node.decorator_list for a in marker_args(d, "needs")])
+                out[f"tests/{fname}::{node.name}"] = (graded, needs)
+    return out
+
+
+def later_needs(root: str = ROOT) -> list[tuple[str, str, list[str]]]:
+    """(assignment, test, the LATER assignments it needs): a test its assignment's student cannot
+    pass yet, however right, when doing the assignments in order. Empty: each can be done in order."""
+    order = {name: i for i, name in enumerate(ASSIGNMENTS)}
+    out = []
+    for test, (graded, needs) in test_needs(root).items():
+        for g in graded:
+            later = sorted({n for n in graded + needs if order[n] > order[g]}, key=order.get)
+            if later:
+                out.append((g, test, later))
+    return out
 
 
 def message(name: str, tests: dict) -> str:

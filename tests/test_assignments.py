@@ -66,6 +66,18 @@ def test_every_assignment_has_regions_tests_and_a_one_line_spec():
     assert assignments.expand(["engine", "sampler", "rmsnorm-rope"])[-1] == "sampler", "groups expand, no repeats"
 
 
+def test_the_assignments_can_be_done_in_order():
+    """A student doing the assignments in the order of the list never has a test blocked by a
+    later one: every test runs through its own assignment and earlier ones only (a test that needs
+    several is graded to the last of them)."""
+    late = assignments.later_needs(ROOT)
+    assert not late, "tests that need a later assignment:\n" + "\n".join(
+        f"  {g}: {t} needs {', '.join(n)}" for g, t, n in late)
+    graded = {t for tests in assignments.find_tests(ROOT).values() for t in tests}
+    assert all(len(g) <= 1 for g, _ in assignments.test_needs(ROOT).values()), "one assignment per test"
+    assert graded, "the tests were found"
+
+
 def test_broken_markers_are_refused_with_their_line(tmp_path):
     (tmp_path / "tests").mkdir()
     for text, error in [("def f():\n    # assignment: nonsense\n    pass\n    # end assignment\n", "unknown assignment"),

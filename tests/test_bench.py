@@ -164,27 +164,36 @@ def test_roofline(run, results):
     ctx, bw, flops = r["context"], r["bandwidth_GBps"] * 1e9, r["matmul_TFLOPs"] * 1e12
     W, kv = weight_bytes(c, 4), kv_bytes_per_token(c, 4)
     assert r["weight_bytes"] == W, "weight bytes per step: every linear and norm of the model, in float32"
-    assert r["kv_bytes_per_token"] == kv == 2 * 2 * 2 * 16 * 4
-    assert r["flops_per_token"] == flops_per_token(c, ctx)
+    assert r["kv_bytes_per_token"] == kv == 2 * 2 * 2 * 16 * 4, \
+        "KV bytes per token: 2 * layers * kv_heads * head_dim * 4 (float32)"
+    assert r["flops_per_token"] == flops_per_token(c, ctx), "FLOPs per token at the context length"
     # decode: read every weight and the context's KV once; prefill: the FLOPs of ctx tokens (or the weight read)
-    assert r["decode_bound_ms"] == pytest.approx((W + kv * ctx) / bw * 1e3)
-    assert r["prefill_bound_ms"] == pytest.approx(max(flops_per_token(c, ctx) * ctx / flops, W / bw) * 1e3)
+    assert r["decode_bound_ms"] == pytest.approx((W + kv * ctx) / bw * 1e3), \
+        "decode bound: the weights plus the context's KV, read once, over bandwidth"
+    assert r["prefill_bound_ms"] == pytest.approx(max(flops_per_token(c, ctx) * ctx / flops, W / bw) * 1e3), \
+        "prefill bound: the larger of ctx tokens' FLOPs over peak and the weight read"
     for p in r["intensity"]:
         B = p["batch"]
-        assert p["flops_per_byte"] == pytest.approx(flops_per_token(c, ctx) * B / (W + kv * ctx * B))
-        assert p["bound_by"] == ("memory" if p["flops_per_byte"] <= flops / bw else "compute")
-    assert [p["batch"] for p in r["intensity"]] == [1, 4, 16, 64, 256]
+        assert p["flops_per_byte"] == pytest.approx(flops_per_token(c, ctx) * B / (W + kv * ctx * B)), \
+            "intensity: the batch's FLOPs over the bytes it reads (weights once, KV per sequence)"
+        assert p["bound_by"] == ("memory" if p["flops_per_byte"] <= flops / bw else "compute"), \
+            "memory-bound at or below the ridge point (peak FLOP/s over bandwidth), else compute-bound"
+    assert [p["batch"] for p in r["intensity"]] == [1, 4, 16, 64, 256], "intensity points at batch 1, 4, 16, 64, 256"
     # the measured decode points (the picture's): the step's FLOPs over its bytes, and the FLOP/s it attained
-    assert [p["batch"] for p in r["decode_points"]] == [1, 4]
-    assert r["decode_measured_ms"] == r["decode_points"][0]["step_ms"]
+    assert [p["batch"] for p in r["decode_points"]] == [1, 4], "decode is measured at batch 1 and 4"
+    assert r["decode_measured_ms"] == r["decode_points"][0]["step_ms"], "the measured decode time is the batch-1 step's"
     for p in r["decode_points"]:
         B = p["batch"]
-        assert p["flops_per_byte"] == pytest.approx(flops_per_token(c, ctx) * B / (W + kv * ctx * B))
-        assert p["attained_flops_per_s"] == pytest.approx(flops_per_token(c, ctx) * B / (p["step_ms"] / 1e3))
+        assert p["flops_per_byte"] == pytest.approx(flops_per_token(c, ctx) * B / (W + kv * ctx * B)), \
+            "a decode point's intensity: the step's FLOPs over its bytes"
+        assert p["attained_flops_per_s"] == pytest.approx(flops_per_token(c, ctx) * B / (p["step_ms"] / 1e3)), \
+            "attained FLOP/s: the step's FLOPs over its measured time"
     pre = r["prefill_point"]
-    assert pre["flops_per_byte"] == pytest.approx(flops_per_token(c, ctx) * ctx / (W + kv * ctx))
+    assert pre["flops_per_byte"] == pytest.approx(flops_per_token(c, ctx) * ctx / (W + kv * ctx)), \
+        "prefill intensity: ctx tokens' FLOPs over the weights and their KV"
     prefill_s = r["prefill_measured_ms"] / 1e3
-    assert pre["attained_flops_per_s"] == pytest.approx(flops_per_token(c, ctx) * ctx / prefill_s)
+    assert pre["attained_flops_per_s"] == pytest.approx(flops_per_token(c, ctx) * ctx / prefill_s), \
+        "prefill attained FLOP/s: its FLOPs over its measured time"
 
 
 @pytest.mark.timeout(600)

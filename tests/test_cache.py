@@ -31,19 +31,24 @@ from model import read_config
 @pytest.mark.assignment("kv-cache-bytes")
 def test_bytes_per_token_formula_and_real_allocation():
     cfg = tiny_config(n_layers=3, n_kv_heads=2, head_dim=16)
-    assert kv_cache_bytes(cfg, torch.float32) == 2 * 3 * 2 * 16 * 4
-    assert kv_cache_bytes(cfg, torch.bfloat16, num_tokens=10) == 2 * 3 * 2 * 16 * 2 * 10
+    assert kv_cache_bytes(cfg, torch.float32) == 2 * 3 * 2 * 16 * 4, \
+        "bytes per token = 2 (K and V) * layers * kv_heads * head_dim * dtype bytes"
+    assert kv_cache_bytes(cfg, torch.bfloat16, num_tokens=10) == 2 * 3 * 2 * 16 * 2 * 10, \
+        "kv_cache_bytes scales with the dtype's size and with num_tokens"
     cache = KVCache(cfg, num_blocks=7, block_size=16, device="cpu", dtype=torch.float32)
-    assert cache.total_bytes == kv_cache_bytes(cfg, torch.float32, 7 * 16)
+    assert cache.total_bytes == kv_cache_bytes(cfg, torch.float32, 7 * 16), \
+        "a KVCache allocates exactly kv_cache_bytes for its num_blocks * block_size tokens"
     budget = 10_000
     n = num_blocks_for_budget(kv_cache_bytes(cfg, torch.float32), 16, budget)
-    assert n * 16 * kv_cache_bytes(cfg, torch.float32) <= budget < (n + 1) * 16 * kv_cache_bytes(cfg, torch.float32)
+    assert n * 16 * kv_cache_bytes(cfg, torch.float32) <= budget < (n + 1) * 16 * kv_cache_bytes(cfg, torch.float32), \
+        "num_blocks_for_budget: the most whole blocks the byte budget holds"
 
 
 @pytest.mark.assignment("kv-cache-bytes")
 def test_smollm2_kv_bytes(real_model):
     # the lecture's example: 2 * 30 layers * 3 kv heads * 64 dims * 4 bytes
-    assert kv_cache_bytes(real_model.config, torch.float32) == 46080
+    assert kv_cache_bytes(real_model.config, torch.float32) == 46080, \
+        "SmolLM2: 2 * 30 layers * 3 KV heads * 64 dims * 4 bytes = 46,080 bytes per token"
 
 
 # --------------------------------------------------- paged attention vs SDPA
@@ -172,32 +177,40 @@ def test_real_model_through_cache_equals_dense(real_model, real_tokenizer):
     for chunks in ([1] * len(ids), varied, [len(ids)]):
         paged = run_chunks(real_model, chunks, ids)
         assert (paged - dense).abs().max() < 1e-4, f"chunks {chunks}"
-        assert torch.equal(paged.argmax(-1), dense.argmax(-1))
+        assert torch.equal(paged.argmax(-1), dense.argmax(-1)), \
+            f"chunks {chunks}: paged greedy tokens must equal the dense model's"
 
 
 # ------------------------------------------------------------ block manager
 
-@pytest.mark.assignment("block-allocation", "prefix-caching", "copy-on-write")
+@pytest.mark.assignment("copy-on-write")
+@pytest.mark.needs("block-allocation", "prefix-caching")
 def test_scripted_allocate_append_fork_free():
     bm = BlockManager(num_blocks=8, block_size=4)
-    assert bm.allocate(1, list(range(10))) == 0                   # nothing cached yet
-    assert bm.append_slots(1, 0, 10) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert bm.tables[1] == [0, 1, 2] and bm.num_free_blocks == 5
+    assert bm.allocate(1, list(range(10))) == 0, "an empty prefix cache gives no hit"  # nothing cached yet
+    assert bm.append_slots(1, 0, 10) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], \
+        "slot = block * block_size + offset, blocks taken from the front of the free list"
+    assert bm.tables[1] == [0, 1, 2] and bm.num_free_blocks == 5, "10 tokens in blocks of 4 take exactly 3 blocks"
     bm.cache_full_blocks(1, list(range(10)), 10)                  # blocks 0, 1 are full
-    assert bm.num_cached_blocks == 2
+    assert bm.num_cached_blocks == 2, "only full blocks are registered in the prefix cache"
     bm.fork(1, 2)
-    assert bm.ref_count[:3] == [2, 2, 2] and bm.num_free_blocks == 5
+    assert bm.ref_count[:3] == [2, 2, 2] and bm.num_free_blocks == 5, \
+        "a fork shares every block: ref counts up, nothing copied"
     # seq 2 writes position 10: its last block (2) is shared -> private copy (block 3)
-    assert bm.append_slots(2, 10, 1) == [3 * 4 + 2]
-    assert bm.pending_copies == [(2, 3)] and bm.tables[2] == [0, 1, 3]
-    assert bm.ref_count[:4] == [2, 2, 1, 1]
+    assert bm.append_slots(2, 10, 1) == [3 * 4 + 2], "writing into a shared block goes to a fresh private copy"
+    assert bm.pending_copies == [(2, 3)] and bm.tables[2] == [0, 1, 3], \
+        "copy-on-write records (shared block, copy) and puts the copy in the writer's table"
+    assert bm.ref_count[:4] == [2, 2, 1, 1], "the copy has ref count 1; the shared block loses the writer's reference"
     # seq 1 writes position 10 too: block 2 is now its own, no copy
-    assert bm.append_slots(1, 10, 3) == [10, 11, 16]              # fills block 2, opens block 4
-    assert bm.pending_copies == [(2, 3)] and bm.tables[1] == [0, 1, 2, 4]
+    assert bm.append_slots(1, 10, 3) == [10, 11, 16], \
+        "a block held alone is written in place; a new block opens only when needed"  # fills block 2, opens block 4
+    assert bm.pending_copies == [(2, 3)] and bm.tables[1] == [0, 1, 2, 4], \
+        "no copy for a block the sequence holds alone"
     bm.free(1)
-    assert bm.ref_count[:5] == [1, 1, 0, 1, 0]
+    assert bm.ref_count[:5] == [1, 1, 0, 1, 0], "free drops one reference per block; blocks still shared stay held"
     bm.free(2)
-    assert bm.num_free_blocks == 8 and bm.ref_count == [0] * 8
+    assert bm.num_free_blocks == 8 and bm.ref_count == [0] * 8, \
+        "after every sequence is freed every block is free, ref count 0"
     bm.check_invariants()
 
 
@@ -211,15 +224,19 @@ def test_prefix_hits_reuse_the_same_physical_blocks():
     bm.cache_full_blocks(1, prompt, 11)
     first_two = bm.tables[1][:2]
     # same first 8 tokens, different tail -> 8 tokens cached, same blocks
-    assert bm.allocate(2, prompt[:8] + [7, 7, 7, 7, 7]) == 8
-    assert bm.tables[2] == first_two and bm.ref_count[first_two[0]] == 2
+    assert bm.allocate(2, prompt[:8] + [7, 7, 7, 7, 7]) == 8, \
+        "a prompt sharing two full blocks hits their 8 cached tokens"
+    assert bm.tables[2] == first_two and bm.ref_count[first_two[0]] == 2, \
+        "a prefix hit reuses the same physical blocks and adds a reference"
     # a different first block breaks the chain even if the second block matches
-    assert bm.allocate(3, [0] + prompt[1:]) == 0
+    assert bm.allocate(3, [0] + prompt[1:]) == 0, \
+        "hashes are chained: a different first block misses even where later blocks match"
     # after everybody leaves, the blocks stay cached and a newcomer still hits them
     for s in (1, 2, 3):
         bm.free(s)
-    assert bm.num_free_blocks == 16
-    assert bm.allocate(4, prompt) == 8 and bm.tables[4] == first_two
+    assert bm.num_free_blocks == 16, "freed blocks return to the free list even while cached"
+    assert bm.allocate(4, prompt) == 8 and bm.tables[4] == first_two, \
+        "freed blocks stay in the prefix cache until reused: a newcomer still hits them"
     # the hit rate counts the blocks found: 2 for seq 2, 2 for seq 4, none for seqs 1 and 3
     assert bm.prefix_hits == 4 and bm.prefix_queries >= 7, (bm.prefix_hits, bm.prefix_queries)
     bm.check_invariants()
@@ -236,13 +253,15 @@ def test_blocks_registered_over_several_steps_chain_like_a_prompt():
     bm.allocate(1, toks)
     bm.append_slots(1, 0, 6)
     bm.cache_full_blocks(1, toks, 6)
-    assert bm.num_cached_blocks == 1
+    assert bm.num_cached_blocks == 1, "the prompt's one full block is registered"
     for t in range(56, 63):                                       # decode 7 tokens, one step each
         bm.append_slots(1, len(toks), 1)
         toks.append(t)
         bm.cache_full_blocks(1, toks, len(toks))
-    assert bm.num_cached_blocks == 3                              # 13 tokens: 3 full blocks
-    assert bm.allocate(2, toks + [99]) == 12 and bm.tables[2] == bm.tables[1][:3]
+    assert bm.num_cached_blocks == 3, \
+        "blocks filled by decoding are registered as they fill"  # 13 tokens: 3 full blocks
+    assert bm.allocate(2, toks + [99]) == 12 and bm.tables[2] == bm.tables[1][:3], \
+        "decode-filled blocks chain onto the prompt's: the same tokens later hit all 3"
     bm.check_invariants()
 
 
@@ -273,15 +292,17 @@ def test_allocate_without_prefix_cache_reads_no_entry_but_still_registers():
     bm.append_slots(1, 0, 11)
     bm.cache_full_blocks(1, prompt, 11)
     queries, hits = bm.prefix_queries, bm.prefix_hits
-    assert bm.allocate(2, prompt, use_prefix_cache=False) == 0 and bm.tables[2] == []
-    assert (bm.prefix_queries, bm.prefix_hits) == (queries, hits)
+    assert bm.allocate(2, prompt, use_prefix_cache=False) == 0 and bm.tables[2] == [], \
+        "use_prefix_cache=False: no lookup, 0 cached tokens, an empty table"
+    assert (bm.prefix_queries, bm.prefix_hits) == (queries, hits), "a skipped lookup counts no prefix query and no hit"
     bm.append_slots(2, 0, 11)
     assert not set(bm.tables[2]) & set(bm.tables[1]), "fresh blocks, not the cached ones"
     other = list(range(40, 51))                                   # a prompt nobody cached yet
-    assert bm.allocate(3, other, use_prefix_cache=False) == 0
+    assert bm.allocate(3, other, use_prefix_cache=False) == 0, "use_prefix_cache=False returns 0 cached tokens"
     bm.append_slots(3, 0, 11)
     bm.cache_full_blocks(3, other, 11)                            # registration is unchanged
-    assert bm.allocate(4, other) == 8 and bm.tables[4] == bm.tables[3][:2]
+    assert bm.allocate(4, other) == 8 and bm.tables[4] == bm.tables[3][:2], \
+        "a request that skipped the lookup still registers its full blocks for others"
     bm.check_invariants()
 
 
@@ -296,7 +317,42 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     assert bm.allocate(2, prompt) == 4, "the last block is recomputed so its last token gets logits"
 
 
-@pytest.mark.assignment("block-allocation", "prefix-caching")
+@pytest.mark.assignment("block-allocation")
+def test_the_free_list_is_least_recently_used_and_a_table_goes_back_tail_first():
+    """Without the prefix cache, what block-allocation alone decides: _take_free hands out the
+    LEAST recently used free block (the front of free_blocks) with ref count 1; _release puts a
+    block whose count reaches 0 at the back (the most recently used end); free() gives a table
+    back tail first; reserve() grows a table to exactly ceil(tokens / block_size) blocks; a slot is
+    block * block_size + offset; and a block handed out again leaves the prefix cache (its
+    contents are about to be overwritten)."""
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    assert list(bm.free_blocks) == [0, 1, 2, 3, 4, 5] and bm.ref_count == [0] * 6, \
+        "a new manager: every block free in order 0..n-1, every ref count 0"
+    bm.allocate(1, [1] * 9)
+    slots = bm.append_slots(1, 0, 9)
+    assert bm.tables[1] == [0, 1, 2], "9 tokens in blocks of 4: exactly 3 blocks, the least recently used"
+    assert slots == [b * 4 + o for b in (0, 1, 2) for o in range(4)][:9], "slot = block * block_size + offset"
+    assert bm.append_slots(1, 9, 3) == [9, 10, 11] and bm.tables[1] == [0, 1, 2], \
+        "positions 9..11 fill the third block: no fourth block until a token needs it"
+    assert bm.ref_count[:3] == [1, 1, 1], "a block taken has ref count 1"
+    bm.allocate(2, [2] * 4)
+    bm.append_slots(2, 0, 4)
+    assert bm.tables[2] == [3], "the next least recently used block"
+    bm.free(1)
+    assert list(bm.free_blocks) == [4, 5, 2, 1, 0], "released to the back, the table's tail first"
+    bm.allocate(3, [3] * 4)
+    bm.append_slots(3, 0, 4)
+    assert bm.tables[3] == [4], "the block never used is older than any released one"
+    bm.block_key[5] = (7, None, (9, 9, 9, 9))           # as if block 5 held a cached prefix
+    bm.cached[7] = 5
+    bm.allocate(4, [4] * 4)
+    bm.append_slots(4, 0, 4)
+    assert bm.tables[4] == [5] and 7 not in bm.cached and 5 not in bm.block_key, \
+        "a block handed out again must leave the prefix cache: a lookup would find other tokens"
+    bm.check_invariants()
+
+
+@pytest.mark.assignment("prefix-caching")
 def test_eviction_is_least_recently_used():
     bm = BlockManager(num_blocks=4, block_size=2)
     for seq, prompt in [(1, [1, 1, 9]), (2, [2, 2, 9]), (3, [3, 3, 9])]:
@@ -304,17 +360,17 @@ def test_eviction_is_least_recently_used():
         bm.append_slots(seq, 0, 2)          # only the full block
         bm.cache_full_blocks(seq, prompt, 2)
     bm.free(2), bm.free(1), bm.free(3)      # release order: 2, then 1, then 3
-    assert bm.num_cached_blocks == 3
+    assert bm.num_cached_blocks == 3, "freed full blocks stay cached until their block is reused"
     # A newcomer needing 2 blocks takes the never-used block, then the least recently freed (seq 2's).
     bm.allocate(4, [5, 5, 5, 5])
     bm.append_slots(4, 0, 4)
     assert bm.allocate(5, [2, 2, 9]) == 0, "seq 2's block was evicted first"
-    assert bm.allocate(6, [1, 1, 9]) == 2 and bm.allocate(7, [3, 3, 9]) == 2
+    assert bm.allocate(6, [1, 1, 9]) == 2 and bm.allocate(7, [3, 3, 9]) == 2, \
+        "the more recently freed cached blocks survive eviction"
     bm.check_invariants()
 
 
-@pytest.mark.assignment("block-allocation")
-@pytest.mark.needs("prefix-caching")
+@pytest.mark.assignment("prefix-caching")
 def test_freed_table_is_evicted_tail_first():
     """free gives a table back tail first, so its LAST blocks are reused
     first and a later request sharing the start of the prompt still finds
@@ -334,7 +390,8 @@ def test_freed_table_is_evicted_tail_first():
         bm.check_invariants()
 
 
-@pytest.mark.assignment("block-allocation", "prefix-caching", "copy-on-write")
+@pytest.mark.assignment("copy-on-write")
+@pytest.mark.needs("block-allocation", "prefix-caching")
 def test_randomized_operations_keep_invariants_and_free_everything():
     rng = random.Random(1)
     bm = BlockManager(num_blocks=40, block_size=4)
@@ -376,11 +433,13 @@ def test_randomized_operations_keep_invariants_and_free_everything():
             bm.free(s)
             del lens[s], toks[s]
         bm.check_invariants()
-        assert bm.num_free_blocks + len({b for t in bm.tables.values() for b in t}) == bm.num_blocks
+        assert bm.num_free_blocks + len({b for t in bm.tables.values() for b in t}) == bm.num_blocks, \
+            "every block is either free or in some table: free + used = the pool"
     for s in list(lens):
         bm.free(s)
     bm.check_invariants()
-    assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_count)
+    assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_count), \
+        "after freeing every sequence: every block free, every ref count 0"
 
 
 @pytest.mark.assignment("copy-on-write")
@@ -397,13 +456,16 @@ def test_copy_on_write_copies_once_and_keeps_the_data(real_model):
     bm.fork(1, 2)
     bm.fork(1, 3)
     assert bm.pending_copies == [], "forking copies nothing"
+    bm.changed.clear()
     bm.append_slots(2, 6, 1)
+    assert bm.changed == {2}, "a copy-on-write changes sequence 2's table: graphs.StepInputs must hear of it"
     bm.append_slots(2, 7, 1)                  # second write into its private block: no new copy
     bm.append_slots(3, 6, 3)                  # crosses into a new block: copies only the partial one
     assert [src for src, _ in bm.pending_copies] == [1, 1], "exactly one copy per writer, of the shared partial block"
     for src, dst in bm.pending_copies:
         cache.copy_block(src, dst)
-        assert torch.equal(cache.k[:, dst, :2], cache.k[:, src, :2]) and torch.equal(cache.v[:, dst], cache.v[:, src])
+        assert torch.equal(cache.k[:, dst, :2], cache.k[:, src, :2]) and torch.equal(cache.v[:, dst], cache.v[:, src]), \
+            "a copy holds its source block's K and V"
     assert bm.tables[1][0] == bm.tables[2][0] == bm.tables[3][0], "full blocks stay shared"
 
 
@@ -487,7 +549,8 @@ def test_window_holds_a_long_sequence_in_a_bounded_number_of_blocks():
         if start % 500 == 0:
             bm.check_invariants()
     assert most == 17 and len(bm.tables[0]) == L // bs, "the table keeps its logical length; 17 blocks held"
-    assert bm.null_block not in bm.free_blocks and bm.null_block not in bm.cached.values()
+    assert bm.null_block not in bm.free_blocks and bm.null_block not in bm.cached.values(), \
+        "the null block is never free and never registered in the prefix cache"
     bm.check_invariants()
     bm.free(0)
     bm.check_invariants()
@@ -497,7 +560,7 @@ def test_window_holds_a_long_sequence_in_a_bounded_number_of_blocks():
     with pytest.raises(RuntimeError, match="no free blocks"):
         for start in range(L):
             plain.append_slots(0, start, 1)
-    assert start == 17 * bs
+    assert start == 17 * bs, "without a window a pool of 17 blocks of 16 is full at 272 tokens"
 
 
 @pytest.mark.assignment("sliding-window")
@@ -526,20 +589,23 @@ def test_window_with_fork_rollback_preemption_and_prefix_cache():
     assert all(bm.ref_count[b] == 1 for b in first), "still held by the child"
     assert len(bm.pending_copies) == 1, "the parent wrote into the shared partial block: copy-on-write"
     bm.append_slots(2, 22, 1)                                      # the child's first step
-    assert all(bm.ref_count[b] == 0 and b in bm.free_blocks for b in first) and len(bm.pending_copies) == 1
+    assert all(bm.ref_count[b] == 0 and b in bm.free_blocks for b in first) and len(bm.pending_copies) == 1, \
+        "a block leaves with its last holder's window: back to the free list, no new copy"
     assert bm.num_cached_blocks == 5, "freed full blocks stay in the prefix cache"
     bm.check_invariants()
     bm.append_slots(1, 23, 5)                                      # verify 4 drafts at 23..27 ...
     bm.truncate(1, 25)                                             # ... and keep 2 (speculative rollback)
-    assert live_blocks(bm, 1) == [4, 5, 6] and bm.tables[1][:4] == [null] * 4
+    assert live_blocks(bm, 1) == [4, 5, 6] and bm.tables[1][:4] == [null] * 4, \
+        "a rollback keeps the kept positions' live blocks; freed entries stay the null block"
     bm.check_invariants()
     bm.free(1)                                                     # preemption: back go the live blocks
     bm.free(2)
     bm.check_invariants()
-    assert bm.num_free_blocks == 39 and bm.ref_count[null] == 1
+    assert bm.num_free_blocks == 39 and bm.ref_count[null] == 1, \
+        "preemption frees every live block; only the null block stays held"
     assert bm.allocate(3, prompt) == 20, "the chain of freed, still cached blocks is a hit"
     bm.append_slots(3, 20, 2)                                      # its first step frees its dead hits again
-    assert bm.tables[3][:3] == [null] * 3
+    assert bm.tables[3][:3] == [null] * 3, "a newcomer's first step frees its prefix hits that lie before its window"
     bm.check_invariants()
     lag = BlockManager(16, 4, sliding_window=4)
     toks = list(range(40))
@@ -613,7 +679,8 @@ def test_window_random_operations_keep_every_visible_position():
             seen = range(max(0, c - W + 1), c)                     # what the query at position c will see
             assert all(kv.slots[table[p // bs]][p % bs] == tuple(s["tokens"][:p + 1]) for p in seen), \
                 f"sequence {sid} lost a position its next query sees"
-            assert len(live_blocks(bm, sid)) <= -(-(W - 1 + max(1, s["last"])) // bs) + 1
+            assert len(live_blocks(bm, sid)) <= -(-(W - 1 + max(1, s["last"])) // bs) + 1, \
+                f"sequence {sid} holds more blocks than its window and last step need"
             ops["freed"] += table.count(bm.null_block)
     for sid in list(seqs):
         bm.free(sid)
@@ -648,7 +715,8 @@ def test_windowed_model_through_a_small_pool_equals_dense_windowed_reference():
             ids.append(int(logits.argmax()))
     dense = model(torch.tensor(ids), torch.arange(total))
     assert ids[prompt_len:] == dense[prompt_len - 1:-1].argmax(-1).tolist(), "greedy tokens differ"
-    assert (torch.stack(step_logits) - dense[prompt_len - 1:-1]).abs().max() < 1e-4
+    assert (torch.stack(step_logits) - dense[prompt_len - 1:-1]).abs().max() < 1e-4, \
+        "paged windowed logits must match the dense windowed reference"
     unwindowed = tiny_model(seed=1)(torch.tensor(ids), torch.arange(total))
     assert not torch.allclose(unwindowed, dense, atol=1e-2), "the window must matter"
 
@@ -664,9 +732,11 @@ def test_kv_heads_presets_scale_the_bytes_per_token():
 # ------------------------------------------------------------------- misuse
 
 @pytest.mark.assignment("block-allocation")
-@pytest.mark.needs("prefix-caching", "kv-cache-bytes")
+@pytest.mark.needs("kv-cache-bytes")
 def test_misuse_fails_loudly():
-    bm = BlockManager(num_blocks=2, block_size=4)
+    """A reserve the pool cannot hold raises and changes nothing; freeing twice, allocating a
+    sequence twice and a block size that is not a positive int raise, naming the rule."""
+    bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
     bm.allocate(1, [1, 2, 3])
     bm.append_slots(1, 0, 3)
     with pytest.raises(RuntimeError, match="no free blocks"):
@@ -737,7 +807,8 @@ def check_block_manager(bm, kv, seqs):
             f"sequence {sid}'s blocks do not hold the K/V of its own first {s['computed']} tokens"
 
 
-@pytest.mark.assignment("block-allocation", "prefix-caching", "copy-on-write")
+@pytest.mark.assignment("copy-on-write")
+@pytest.mark.needs("block-allocation", "prefix-caching")
 def test_block_manager_against_a_model_of_the_pool():
     """Seeded random allocate / append (prefill chunks, decodes) / fork /
     truncate / free / preempt / cache_full_blocks / prefix lookups, 3000 of
@@ -798,12 +869,14 @@ def test_block_manager_against_a_model_of_the_pool():
         assert len(table) == max(len(table_before), -(-(start + count) // bs)), "the table grows by what it needs"
         fresh = [table[i] for i in shared] + table[len(table_before):]
         assert sorted(fresh) == sorted(free_before[:len(fresh)]), "new blocks come from the least recently used end"
-        assert list(bm.free_blocks) == free_before[len(fresh):]
+        assert list(bm.free_blocks) == free_before[len(fresh):], \
+            "blocks are taken from the front of the free list; the rest keep their order"
         assert [i for i in range(len(table_before)) if table[i] != table_before[i]] == sorted(shared), \
             "exactly the shared blocks written to get a private copy"
         assert sorted(bm.pending_copies) == sorted((table_before[i], table[i]) for i in shared), \
             "pending_copies must list (shared block, its private copy) for every block copied on write"
-        assert slots == [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+        assert slots == [table[p // bs] * bs + p % bs for p in range(start, start + count)], \
+            "slot = block * block_size + offset for each new position"
         forget(fresh)
         if not run:
             return
@@ -865,7 +938,8 @@ def test_block_manager_against_a_model_of_the_pool():
             before = list(bm.free_blocks)
             bm.fork(sid, child)
             assert bm.tables[child] == bm.tables[sid] and list(bm.free_blocks) == before, "a fork copies nothing"
-            assert bm.pending_copies == []
+            assert bm.pending_copies == [], \
+                "a fork schedules no copy: copy-on-write copies only when a shared block is written"
             seqs[child] = {"tokens": list(seqs[sid]["tokens"]), "computed": seqs[sid]["computed"]}
             counts["fork"] += 1
         elif op < 0.73:                                                   # speculative rollback
@@ -915,7 +989,6 @@ def test_block_manager_against_a_model_of_the_pool():
 
 
 @pytest.mark.assignment("block-allocation")
-@pytest.mark.needs("prefix-caching")
 def test_more_misuse_fails_loudly_and_changes_nothing():
     """A pool of no blocks, forking into a sequence that already has blocks,
     and taking a block from an empty free list (the scheduler's job to
@@ -923,7 +996,7 @@ def test_more_misuse_fails_loudly_and_changes_nothing():
     fork leaves the tables and counts as they were."""
     with pytest.raises(ValueError, match="no blocks"):
         BlockManager(num_blocks=0, block_size=4)
-    bm = BlockManager(num_blocks=2, block_size=4)
+    bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
     bm.allocate(1, [1, 2, 3])
     bm.append_slots(1, 0, 3)
     bm.allocate(2, [4])

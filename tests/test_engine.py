@@ -69,7 +69,7 @@ def test_extreme_but_valid_params_run_beside_healthy_requests(tiny_path, bad):
     assert_no_leak(llm)
 
 
-@pytest.mark.needs("engine", "sampler", "copy-on-write")
+@pytest.mark.needs("engine", "copy-on-write")
 def test_n_beyond_the_batch_is_refused_at_once(tiny_path):
     llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_seqs=2)
     with pytest.raises(ValueError, match=r"n=3.*max_num_seqs=2"):
@@ -200,8 +200,8 @@ def test_interrupted_generate_leaves_nothing_running(tiny_path, monkeypatch):
     assert_no_leak(llm)
 
 
-@pytest.mark.assignment("copy-on-write")
-@pytest.mark.needs("engine", "sampler")
+@pytest.mark.assignment("sampler")
+@pytest.mark.needs("engine", "copy-on-write")
 def test_parallel_samples_share_prompt_blocks(tiny_llm):
     prompt = "a shared prompt " * 20                       # 80+ tokens: 5+ blocks
     params = SamplingParams(max_tokens=8, temperature=1.0, n=4, seed=0, ignore_eos=True)
@@ -224,7 +224,7 @@ def test_parallel_samples_share_prompt_blocks(tiny_llm):
     for c in out.outputs:
         assert c.token_ids == dense_sampled(llm.model, ids, params, sample_key(0, c.index), 8), \
             f"sample {c.index} differs from the dense path with the same noise"
-    assert rid not in llm.requests
+    assert rid not in llm.requests, "a finished request is removed from the engine's requests"
     assert_no_leak(llm)
 
 

@@ -81,17 +81,59 @@ def _random_pool(cache_cls, block_size, n_heads, n_kv, Q, ragged=False):
     return cache, q, torch.tensor(tables), seq_lens, query_lens
 
 
+def _fast_equals_reference(cache_cls, block_size, n_heads, n_kv, Q):
+    cache, q, bt, seq_lens, _ = _random_pool(cache_cls, block_size, n_heads, n_kv, Q)
+    for layer in range(cache.k.shape[0]):
+        ref = paged_attention(q.flatten(0, 1), cache, layer, bt, seq_lens, [Q] * len(seq_lens))
+        out = batched_paged_attention(q, cache, layer, bt, torch.tensor(seq_lens)).flatten(0, 1)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
+                                   msg=f"{cache_cls.__name__} layer {layer}: batched attention differs from "
+                                       f"cache.paged_attention (one sequence at a time)")
+
+
 @pytest.mark.parametrize("block_size,n_heads,n_kv,Q", ATTENTION_CASES)
 @pytest.mark.assignment("decode-attention")
-@pytest.mark.needs("paged-attention", "kv-cache-bytes", "int8")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes")
 def test_fast_decode_attention_equals_reference(block_size, n_heads, n_kv, Q):
-    for cache_cls in (KVCache, Int8KVCache):
-        cache, q, bt, seq_lens, _ = _random_pool(cache_cls, block_size, n_heads, n_kv, Q)
-        for layer in range(cache.k.shape[0]):
-            ref = paged_attention(q.flatten(0, 1), cache, layer, bt, seq_lens, [Q] * len(seq_lens))
-            out = batched_paged_attention(q, cache, layer, bt, torch.tensor(seq_lens)).flatten(0, 1)
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
-                                       msg=f"{cache_cls.__name__} layer {layer}: fast decode attention differs")
+    """batched_paged_attention over 5 sequences of a shuffled pool (tables padded with garbage
+    ids, Q queries each) equals the reference paged attention, block sizes 1-16, GQA 1-4."""
+    _fast_equals_reference(KVCache, block_size, n_heads, n_kv, Q)
+
+
+@pytest.mark.parametrize("W", [1, 5, 16])
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("kv-cache-bytes")
+def test_batched_and_in_place_attention_keep_a_sliding_window(W):
+    """cache.sliding_window = W: in batched_paged_attention and in paged_attention_in_place (the
+    compiled path's formulation) the query at position p sees keys p - W < k <= p only. The
+    reference is written here: the keys gathered through each table, a band mask, float64."""
+    cache, q, bt, seq_lens, _ = _random_pool(KVCache, 4, 6, 2, 3)
+    cache.sliding_window = W
+    B, Q, H, d = q.shape
+    k, v = cache.blocks(0, bt)                                    # [B, width, bs, n_kv, d]
+    k, v = (t.flatten(1, 2).double().repeat_interleave(H // k.shape[-2], dim=2) for t in (k, v))
+    ref = torch.empty(B, Q, H, d, dtype=torch.float64)
+    for b, n in enumerate(seq_lens):
+        pos, keys = torch.arange(n - Q, n)[:, None], torch.arange(k.shape[1])[None, :]
+        band = (keys <= pos) & (keys > pos - W)                   # [Q, T]: the last W positions
+        scores = torch.einsum("qhd,thd->hqt", q[b].double(), k[b]) / d ** 0.5
+        p = scores.masked_fill(~band, float("-inf")).softmax(-1)
+        ref[b] = torch.einsum("hqt,thd->qhd", p, v[b])
+    out = batched_paged_attention(q, cache, 0, bt, torch.tensor(seq_lens))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5,
+                               msg=f"window {W}: the batched attention must see keys p - W < k <= p only")
+    q_pos = torch.tensor(seq_lens)[:, None] - Q + torch.arange(Q)
+    out = paged_attention_in_place(q, cache, 0, bt, q_pos)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5,
+                               msg=f"window {W}: the compiled path's attention must see keys p - W < k <= p only")
+
+
+@pytest.mark.parametrize("block_size,n_heads,n_kv,Q", ATTENTION_CASES)
+@pytest.mark.assignment("int8")
+@pytest.mark.needs("decode-attention", "paged-attention", "kv-cache-bytes")
+def test_fast_decode_attention_reads_the_int8_cache(block_size, n_heads, n_kv, Q):
+    """The same over the int8 KV cache (values and scales dequantized by its blocks())."""
+    _fast_equals_reference(Int8KVCache, block_size, n_heads, n_kv, Q)
 
 
 def _in_place_case(cache_cls, block_size, n_heads, n_kv, Q):
@@ -205,7 +247,8 @@ def test_mixed_step_equals_reference(block_size, n_heads, n_kv, seed):
         slots = [bm.tables[sid][p // block_size] * block_size + p % block_size
                  for sid, t, s in work for p in range(s, s + len(t))]
         assert ctx.slot_mapping.tolist() == slots, "slot = block_id * block_size + offset"
-        assert positions.tolist() == [p for _, t, s in work for p in range(s, s + len(t))]
+        assert positions.tolist() == [p for _, t, s in work for p in range(s, s + len(t))], \
+            "positions run from each sequence's start over its new tokens, in batch order"
         for sid, _, _ in work:
             bm.free(sid)
 
@@ -241,50 +284,62 @@ def _windowed_step(step, seqs, done, bm, inputs, cache):
 
 
 @pytest.mark.parametrize("block_size,n_heads,n_kv,W", WINDOW_CASES)
-@pytest.mark.assignment("decode-attention")
-@pytest.mark.needs("gqa-attention", "sliding-window", "kv-cache-bytes", "block-allocation", "int8")
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("gqa-attention", "decode-attention", "kv-cache-bytes", "block-allocation")
 def test_windowed_attention_equals_dense_windowed_reference(block_size, n_heads, n_kv, W):
     """A window W (cache.sliding_window): each query sees its last W positions in every path, the
-    eager step on CPU and on CUDA and the compiled path's formulation, plain and int8 caches, over
-    steps that mix prefill chunks, decodes and ragged k+1-token verifications, through tables whose
-    freed entries point at the null block (junk here: only the mask hides it). The reference is
-    model.dense_causal_attention(window=W) over each whole sequence (int8: K, V as stored)."""
+    eager step on CPU and on CUDA and the compiled path's formulation, over steps that mix prefill
+    chunks, decodes and ragged k+1-token verifications, through tables whose freed entries point at
+    the null block (junk here: only the mask hides it). The reference is
+    model.dense_causal_attention(window=W) over each whole sequence."""
+    _windowed_equals_reference(KVCache, block_size, n_heads, n_kv, W)
+
+
+@pytest.mark.parametrize("block_size,n_heads,n_kv,W", WINDOW_CASES[:2])
+@pytest.mark.assignment("int8")
+@pytest.mark.needs("gqa-attention", "decode-attention", "sliding-window", "kv-cache-bytes", "block-allocation")
+def test_windowed_attention_reads_the_int8_cache(block_size, n_heads, n_kv, W):
+    """The same over the int8 KV cache (the reference: K, V as stored, dequantized)."""
+    _windowed_equals_reference(Int8KVCache, block_size, n_heads, n_kv, W)
+
+
+def _windowed_equals_reference(cache_cls, block_size, n_heads, n_kv, W):
+    """The windowed steps of the two tests above, over a cache of cache_cls."""
     from model import dense_causal_attention
     from quantize import dequantize_int8, quantize_int8
-    for cache_cls in (KVCache, Int8KVCache):
-        rng, g = random.Random(W * 100 + block_size), torch.Generator().manual_seed(W)
-        cfg = tiny_config(n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, sliding_window=W)
-        lens = [(rng.randint(1, 24), rng.randint(W + 6, W + 30)) for _ in range(5)]      # (prompt, total)
-        pool = sum(-(-t // block_size) for _, t in lens) + 1
-        bm = BlockManager(pool, block_size, enable_prefix_caching=False, sliding_window=W)
-        cache = cache_cls(cfg, pool, block_size, "cpu", torch.float32)
-        for t in cache.pools():
-            t[:, bm.null_block] = 100                   # K = V = 100 (int8: x a scale of 100)
-        seqs = [[torch.randn(t, h, cfg.head_dim, generator=g) for h in (n_heads, n_kv, n_kv)] for _, t in lens]
-        stored = [(k, v) if cache_cls is KVCache else (dequantize_int8(*quantize_int8(k)),
-                                                       dequantize_int8(*quantize_int8(v))) for _, k, v in seqs]
-        inputs, done, freed, uniform = StepInputs(bm, "cpu"), [0] * len(lens), 0, False
-        for s, (prompt, _) in enumerate(lens):
-            bm.allocate(s, [0] * prompt)
-        while any(d < t for d, (_, t) in zip(done, lens)):
-            step = [(s, min(t - done[s], rng.randint(1, 16) if done[s] < p else rng.choice([1, 1, 2, 4])))
-                    for s, (p, t) in enumerate(lens) if done[s] < t and rng.random() < 0.9]
-            if not step:
-                continue
-            outs, fast = _windowed_step(step, seqs, done, bm, inputs, cache)
-            ref = torch.cat([dense_causal_attention(seqs[s][0][:done[s] + n], *(x[:done[s] + n] for x in stored[s]),
-                                                    window=W)[done[s]:] for s, n in step])
-            for path, out in outs.items():
-                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
-                                           msg=lambda m, p=path: f"{cache_cls.__name__}, {p}, step {step}: {m}")
-            for s, n in step:
-                done[s] += n
-            freed, uniform = freed + sum(bm.tables[s].count(bm.null_block) for s, _ in step), uniform or fast
-        assert freed and uniform, "the steps freed blocks out of the window and had a decode-only step"
+    rng, g = random.Random(W * 100 + block_size), torch.Generator().manual_seed(W)
+    cfg = tiny_config(n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, sliding_window=W)
+    lens = [(rng.randint(1, 24), rng.randint(W + 6, W + 30)) for _ in range(5)]      # (prompt, total)
+    pool = sum(-(-t // block_size) for _, t in lens) + 1
+    bm = BlockManager(pool, block_size, enable_prefix_caching=False, sliding_window=W)
+    cache = cache_cls(cfg, pool, block_size, "cpu", torch.float32)
+    for t in cache.pools():
+        t[:, bm.null_block] = 100                   # K = V = 100 (int8: x a scale of 100)
+    seqs = [[torch.randn(t, h, cfg.head_dim, generator=g) for h in (n_heads, n_kv, n_kv)] for _, t in lens]
+    stored = [(k, v) if cache_cls is KVCache else (dequantize_int8(*quantize_int8(k)),
+                                                   dequantize_int8(*quantize_int8(v))) for _, k, v in seqs]
+    inputs, done, freed, uniform = StepInputs(bm, "cpu"), [0] * len(lens), 0, False
+    for s, (prompt, _) in enumerate(lens):
+        bm.allocate(s, [0] * prompt)
+    while any(d < t for d, (_, t) in zip(done, lens)):
+        step = [(s, min(t - done[s], rng.randint(1, 16) if done[s] < p else rng.choice([1, 1, 2, 4])))
+                for s, (p, t) in enumerate(lens) if done[s] < t and rng.random() < 0.9]
+        if not step:
+            continue
+        outs, fast = _windowed_step(step, seqs, done, bm, inputs, cache)
+        ref = torch.cat([dense_causal_attention(seqs[s][0][:done[s] + n], *(x[:done[s] + n] for x in stored[s]),
+                                                window=W)[done[s]:] for s, n in step])
+        for path, out in outs.items():
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, p=path: f"{cache_cls.__name__}, {p}, step {step}: {m}")
+        for s, n in step:
+            done[s] += n
+        freed, uniform = freed + sum(bm.tables[s].count(bm.null_block) for s, _ in step), uniform or fast
+    assert freed and uniform, "the steps freed blocks out of the window and had a decode-only step"
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.assignment("decode-attention")
+@pytest.mark.assignment("scheduler-step")
 @pytest.mark.needs("engine")
 def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     """Both engines give the dense model's greedy tokens (model.generate: no cache, no paging), and
@@ -300,19 +355,21 @@ def test_compiled_engine_equals_eager_without_recompiling(tiny_path):
     assert eager == [generate(dense, p, sp.max_tokens) for p, sp in zip(prompts, params)], \
         "the eager engine's paged attention (StepContext) changed a greedy output"
     llm = LLM(tiny_path, compile=True, **kw)
-    assert llm.decoder is not None and llm.compile_seconds > 0
+    assert llm.decoder is not None and llm.compile_seconds > 0, \
+        "compile=True builds a compiled decoder and times its compilation"
     graphs = counters["stats"]["unique_graphs"]
     compiled = run_staggered(llm, prompts, params)
     assert compiled == eager, "compiled decode changed a greedy output"
     assert counters["stats"]["unique_graphs"] == graphs, "a step recompiled after warm-up"
     assert llm.stats["eager_steps"] == 0 and llm.stats["compiled_steps"] == llm.stats["steps"], \
         "every step (prefill chunks beside decodes included) runs compiled"
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, \
+        "every block returns to the pool once all requests finish"
 
 
 @pytest.mark.parametrize("block_size,n_heads,n_kv,Q", ATTENTION_CASES)
 @pytest.mark.assignment("decode-attention")
-@pytest.mark.needs("paged-attention", "kv-cache-bytes", "int8")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes")
 def test_cuda_attention_reaches_a_fused_kernel(block_size, n_heads, n_kv, Q, monkeypatch):
     """On CUDA (forced here on a CPU), batched_paged_attention must not hand SDPA a boolean
     mask together with GQA (unequal head counts, enable_gqa): flash refuses the mask, and in
@@ -342,7 +399,7 @@ def test_cuda_attention_reaches_a_fused_kernel(block_size, n_heads, n_kv, Q, mon
         (mask, gqa, math_on, flash_on), = calls[-1:]
         assert not (mask and gqa), "a boolean mask together with GQA: no fused CUDA kernel takes both"
         assert math_on == (not strict) and flash_on, f"STRICT_SDPA={strict}: math backend on: {math_on}"
-    assert len(calls) == 2
+    assert len(calls) == 2, "each batched_paged_attention call makes exactly one SDPA call"
 
 
 # Sliding-window attention through the engine (the kernels above: test_windowed_attention_...)
@@ -362,13 +419,15 @@ def mistral_checkpoint(directory, window: int) -> str:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.assignment("decode-attention")
-@pytest.mark.needs("engine", "sliding-window", "gqa-attention", "ngram-drafter", "rejection-sampling")
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("engine", "gqa-attention")
 def test_windowed_engine_gives_the_dense_windowed_tokens(tmp_path):
     """A Mistral checkpoint with sliding_window 8, in blocks of 4 (the sequences outrun the window:
     blocks are freed, preemptions may recompute): the eager engine gives model.generate's greedy
-    tokens (the dense path, no cache, the window); so does compile=True with n-gram drafts verified
-    in k + 1 = 4-token steps on the simulated CUDA path (CUDA graphs; prefill through grouped_attention)."""
+    tokens (the dense path, no cache, the window); so does compile=True on the simulated CUDA path
+    (CUDA graphs, mixed steps as rows, overlapped; prefill through grouped_attention). (Drafts
+    verified through the window: test_windowed_attention_equals_dense_windowed_reference's ragged
+    steps.)"""
     from cuda_sim import simulate_cuda
     from model import generate
     W = 8
@@ -382,17 +441,18 @@ def test_windowed_engine_gives_the_dense_windowed_tokens(tmp_path):
     assert eager.cache.sliding_window == eager.block_manager.sliding_window == W, "config.json's window"
     assert run_staggered(eager, prompts, params) == dense, "the eager engine's window differs from the model's"
     with simulate_cuda() as sim:
-        llm = LLM(path, compile=True, speculative="ngram", num_speculative_tokens=3, **kw)
+        llm = LLM(path, compile=True, **kw)
         outs = run_staggered(llm, prompts, params)
     assert outs == dense, "the compiled (CUDA-graph) engine's window differs from the model's"
-    assert llm.decoder.steps[1] > 0 and llm.decoder.steps[4] > 0 and sim.replays == sum(llm.decoder.steps.values())
+    assert llm.decoder.steps[1] > 0 and sim.replays == sum(llm.decoder.steps.values()) == llm.stats["steps"], \
+        "decode-only steps run their graph, and every step replays a CUDA graph"
     bm = llm.block_manager
     assert bm.num_free_blocks == bm.num_blocks - 1 and bm.ref_count[bm.null_block] == 1, "all back but the null block"
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.assignment("decode-attention")
-@pytest.mark.needs("engine", "sliding-window", "gqa-attention")
+@pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("engine", "gqa-attention")
 def test_windowed_engine_holds_a_long_sequence_in_17_blocks():
     """The Goal, on the preset random:smollm2-tiny:sliding_window=256: a sequence of 4,096 tokens in
     blocks of 16 (a 3,840-token prompt in chunks of 16, then 256 greedy decodes) holds at most
@@ -412,7 +472,8 @@ def test_windowed_engine_holds_a_long_sequence_in_17_blocks():
             out = o
         most = max([most] + [len(t) - t.count(bm.null_block) for t in bm.tables.values()])
         assert bm.num_blocks - bm.num_free_blocks <= 17 + 1, "the pool holds more than 17 blocks + the null block"
-    assert most == 17 and out.finished and len(out.token_ids) == T - P
+    assert most == 17 and out.finished and len(out.token_ids) == T - P, \
+        "the sequence peaks at exactly 17 held blocks and emits all its tokens"
     ids, lo = prompt + out.token_ids, P - 1 - llm.config.n_layers * (W - 1)
     with torch.inference_mode():
         logits = llm.model(torch.tensor(ids[lo:-1]), torch.arange(lo, T - 1))[P - 1 - lo:]   # predict ids[P:]

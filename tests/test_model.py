@@ -64,8 +64,9 @@ def test_rmsnorm_equals_torch_rms_norm():
     norm = RMSNorm(48, eps=1e-5)
     norm.weight.data.uniform_(0.5, 2)
     x = torch.randn(7, 48) * 3
+    x[5:] *= 1e-3                  # rows whose mean square (~1e-5) is eps's size: where eps goes matters
     ref = F.rms_norm(x, (48,), norm.weight, eps=1e-5)
-    assert torch.allclose(norm(x), ref, atol=1e-6), "RMSNorm must be w * x / sqrt(mean(x^2) + eps)"
+    assert torch.allclose(norm(x), ref, atol=1e-6, rtol=1e-5), "RMSNorm must be w * x / sqrt(mean(x^2) + eps)"
 
 
 def rope_as_complex(x, positions, inv_freq):
@@ -90,7 +91,8 @@ def test_rope_is_a_rotation_of_complex_pairs():
     x = torch.randn(5, 3, cfg.head_dim)
     pos = torch.tensor([0, 1, 7, 100, 1000])
     got = rope(x, pos, cfg)
-    assert torch.allclose(got, rope_as_complex(x, pos, rope_frequencies(cfg)), atol=1e-4)
+    assert torch.allclose(got, rope_as_complex(x, pos, rope_frequencies(cfg)), atol=1e-4), \
+        "RoPE rotates each (x_i, x_{i+d/2}) pair, as a complex number, by position * frequency"
     assert torch.allclose(got.norm(dim=-1), x.norm(dim=-1), atol=1e-4), "a rotation keeps the norm"
 
 
@@ -183,10 +185,12 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     mha.load_state_dict(stack_fused(sd, fused_rows(mha.config)))
     ids = torch.randint(0, 512, (20,))
     pos = torch.arange(20)
-    assert torch.allclose(gqa(ids, pos), mha(ids, pos), atol=1e-4)
+    assert torch.allclose(gqa(ids, pos), mha(ids, pos), atol=1e-4), \
+        "GQA equals MHA with each K/V head copied to the G query heads sharing it"
 
 
-@pytest.mark.assignment("rmsnorm-rope", "gqa-attention")
+@pytest.mark.assignment("gqa-attention")
+@pytest.mark.needs("rmsnorm-rope")
 def test_tiny_model_is_causal_and_position_aware():
     model = tiny_model()
     ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(0))
@@ -217,12 +221,14 @@ def test_in_window_is_mistrals_convention():
     """Hugging Face masks Mistral's sliding_window as kv > q - W: W positions, the query's
     own included (with W = 3, query 4 sees 2, 3, 4), wherever the query positions start."""
     got = in_window(torch.arange(6), torch.arange(6), 3)
-    assert got.shape == (6, 6) and got.dtype == torch.bool
-    assert torch.equal(got, torch.tensor([[q - 3 < k for k in range(6)] for q in range(6)]))
+    assert got.shape == (6, 6) and got.dtype == torch.bool, "in_window returns a boolean [queries, keys] mask"
+    assert torch.equal(got, torch.tensor([[q - 3 < k for k in range(6)] for q in range(6)])), \
+        "in_window(q, k, W) is k > q - W (Mistral's convention)"
     assert got[4].tolist() == [False, False, True, True, True, True], "not causal: that is the caller's mask"
     decode = in_window(torch.tensor([100, 101]), torch.arange(102), 3)
-    assert [r.nonzero().flatten().tolist()[:3] for r in decode] == [[98, 99, 100], [99, 100, 101]]
-    assert in_window(torch.arange(5), torch.arange(5), 1).diagonal().all()
+    assert [r.nonzero().flatten().tolist()[:3] for r in decode] == [[98, 99, 100], [99, 100, 101]], \
+        "a query at position p sees p-W+1..p, wherever the positions start"
+    assert in_window(torch.arange(5), torch.arange(5), 1).diagonal().all(), "W = 1: each query sees its own position"
 
 
 @pytest.mark.parametrize("window", [1, 2, 5, 12, 13, 40])
@@ -262,20 +268,24 @@ def test_windowed_model_sees_its_last_w_positions_per_layer():
     far, edge = ids.clone(), ids.clone()
     far[p - reach - 1] = (far[p - reach - 1] + 1) % 512            # beyond two layers' reach: no effect
     edge[p - reach] = (edge[p - reach] + 1) % 512                   # at its edge: seen through layer 1
-    assert torch.allclose(two(far, pos)[p], out, atol=1e-5)
-    assert not torch.allclose(two(edge, pos)[p], out, atol=1e-4)
+    assert torch.allclose(two(far, pos)[p], out, atol=1e-5), \
+        "a token beyond the layers' reach L(W-1) must not change the output"
+    assert not torch.allclose(two(edge, pos)[p], out, atol=1e-4), \
+        "a token at the edge of two layers' reach 2(W-1) must change the output"
     assert torch.allclose(tiny_model(n_layers=2, sliding_window=N)(ids, pos), tiny_model(n_layers=2)(ids, pos),
-                          atol=1e-6)
+                          atol=1e-6), "a window as long as the sequence is plain causal attention"
 
 
 # ------------------------------------------------ against Hugging Face transformers
 
-@pytest.mark.assignment("rmsnorm-rope", "gqa-attention")
+@pytest.mark.assignment("gqa-attention")
+@pytest.mark.needs("rmsnorm-rope")
 def test_tiny_sharded_llama3_checkpoint_matches_transformers():
     """tests/fixtures/tiny_llama3 was written by transformers' save_pretrained
     (3 shards + index, untied head, attention bias, llama3 rope scaling)."""
     model, cfg = load_model(os.path.join(FIXTURES, "tiny_llama3"))
-    assert cfg.rope_scaling and not cfg.tie_embeddings and cfg.attention_bias
+    assert cfg.rope_scaling and not cfg.tie_embeddings and cfg.attention_bias, \
+        "the fixture has llama3 rope scaling, an untied head and attention bias: all must be read"
     ids = GOLDEN["tiny_ids"]
     got = model(ids, torch.arange(len(ids)))
     # Measured error 4.5e-8 (logits up to 0.16); dropping the rope scaling
@@ -285,7 +295,8 @@ def test_tiny_sharded_llama3_checkpoint_matches_transformers():
 
 
 @pytest.mark.parametrize("i", range(4))
-@pytest.mark.assignment("rmsnorm-rope", "gqa-attention")
+@pytest.mark.assignment("gqa-attention")
+@pytest.mark.needs("rmsnorm-rope")
 def test_real_model_logits_match_transformers(real_model, i):
     ids = GOLDEN[f"ids_{i}"]
     logits = real_model(ids, torch.arange(len(ids)))[:, GOLDEN["cols"]]

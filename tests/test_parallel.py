@@ -158,8 +158,10 @@ def test_shard_model_keeps_each_ranks_slice(quantized):
     for i, name in enumerate(rows):                                         # each rank: its heads of EACH part
         cat = torch.cat([parts(a.qkv_proj.linear.weight, 2)[i] for a in (a0, a1)], dim=0)
         assert torch.equal(cat, parts(af.qkv_proj.weight, 1)[i]), f"{name}: ranks must own consecutive rows of it"
-    assert isinstance(a0.qkv_proj, ColumnParallelLinear) and isinstance(a0.o_proj, RowParallelLinear)
-    assert torch.equal(torch.cat([a0.o_proj.linear.weight, a1.o_proj.linear.weight], 1), af.o_proj.weight)
+    assert isinstance(a0.qkv_proj, ColumnParallelLinear) and isinstance(a0.o_proj, RowParallelLinear), \
+        "attention: qkv_proj is column-parallel, o_proj row-parallel"
+    assert torch.equal(torch.cat([a0.o_proj.linear.weight, a1.o_proj.linear.weight], 1), af.o_proj.weight), \
+        "o_proj: ranks must own consecutive input columns"
     mlp0, mlp1, mlpf = (m.layers[0].mlp for m in (*shards, full))
     assert torch.equal(torch.cat([mlp0.down_proj.linear.weight, mlp1.down_proj.linear.weight], 1),
                        mlpf.down_proj.weight), "down_proj: ranks must own consecutive input columns"
@@ -172,17 +174,20 @@ def test_shard_model_keeps_each_ranks_slice(quantized):
                            q(af.qkv_proj.scale, 1)), "column-parallel int8: the scales are sliced with their rows"
         assert torch.equal(a0.o_proj.linear.scale, af.o_proj.scale), "row-parallel int8 keeps every row's scale"
     # heads per rank, in the modules and in the config the KV cache is built from
-    assert (a0.n_heads, a0.n_kv_heads) == (3, 1)
-    assert (shards[0].config.n_heads, shards[0].config.n_kv_heads, shards[0].config.ffn_dim) == (3, 1, 64)
-    assert shards[0].config.vocab_size == 512 and shards[0].full_config.n_heads == 6
+    assert (a0.n_heads, a0.n_kv_heads) == (3, 1), "each rank's attention holds its share of the heads and KV heads"
+    assert (shards[0].config.n_heads, shards[0].config.n_kv_heads, shards[0].config.ffn_dim) == (3, 1, 64), \
+        "the shard's config (the KV cache is built from it) gives per-rank heads, KV heads, FFN"
+    assert shards[0].config.vocab_size == 512 and shards[0].full_config.n_heads == 6, \
+        "vocab_size stays whole in the config; full_config keeps the unsharded shape"
     # vocabulary: rows of the embedding; a tied float head stays the same tensor
     emb = torch.cat([s.embed_tokens.weight for s in shards])
-    assert torch.equal(emb, full.embed_tokens.weight)
-    assert isinstance(shards[0].embed_tokens, VocabParallelEmbedding)
-    assert isinstance(shards[1].lm_head, VocabParallelHead)
+    assert torch.equal(emb, full.embed_tokens.weight), "the ranks' embedding rows concatenate to the full table"
+    assert isinstance(shards[0].embed_tokens, VocabParallelEmbedding), "the embedding is vocab-parallel"
+    assert isinstance(shards[1].lm_head, VocabParallelHead), "the head is vocab-parallel"
     if quantized:
-        assert isinstance(shards[1].lm_head.linear, Int8Linear)
-        assert torch.equal(torch.cat([s.lm_head.linear.weight for s in shards]), full.lm_head.weight)
+        assert isinstance(shards[1].lm_head.linear, Int8Linear), "an int8 head stays Int8Linear after sharding"
+        assert torch.equal(torch.cat([s.lm_head.linear.weight for s in shards]), full.lm_head.weight), \
+            "int8 head: ranks must own consecutive vocabulary rows"
     else:
         assert shards[1].lm_head.linear.weight is shards[1].embed_tokens.weight, "tied weights must stay tied"
 
@@ -247,7 +252,7 @@ def test_tiny_dense_logits_equal_unsharded(tiny_dir):
         pos = torch.arange(length)
         want = ref(ids, pos)
         got = group.forward(ids, pos)
-        assert got.shape == want.shape == (length, 512)
+        assert got.shape == want.shape == (length, 512), "N=2 logits cover the full vocabulary for every token"
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5,
                                    msg=lambda m: f"N=2 logits differ from N=1 ({length} tokens): {m}")
 
@@ -292,7 +297,7 @@ def test_tiny_paged_prefill_then_decode_equal_unsharded(tiny_dir):
     group.allocate_cache(num_blocks=24, block_size=4)
     prompts = [[5, 17, 300, 2, 9, 44], [7, 7, 100, 200, 301, 400, 3, 11, 90]]   # 6 tokens: a partial block
     seqs, rows = greedy_paged(group, prompts, steps=3, fork=(0, 123))
-    assert len(seqs) == 3 and seqs[2][6] == 123
+    assert len(seqs) == 3 and seqs[2][6] == 123, "the fork is a third sequence that continues with its forced token"
     for step, logits in enumerate(rows):
         for i, got in logits.items():
             n = len(seqs[i]) - (len(rows) - step)           # tokens the step had seen
@@ -345,7 +350,8 @@ def tiny2_int8(path):
 @pytest.mark.needs("model", "int8")
 def test_int8_sharded_equals_int8_unsharded(tiny_dir):
     group, ref = tiny2_int8(tiny_dir), reference(tiny_dir, "int8")
-    assert isinstance(group.model.layers[0].mlp.down_proj.linear, Int8Linear)
+    assert isinstance(group.model.layers[0].mlp.down_proj.linear, Int8Linear), \
+        "the int8 group's layers must be Int8Linear"
     ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(24)
     want, unquantized = ref(ids, pos), reference(tiny_dir)(ids, pos)
@@ -387,7 +393,8 @@ def _pool_shapes(model, cache):
 def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real_tokenizer):
     group = open_group(("real", 3), lambda: TensorParallelGroup(real_path, 3))
     cfg = real_model.config
-    assert (group.config.n_heads, group.config.n_kv_heads, group.config.ffn_dim) == (3, 1, 512)
+    assert (group.config.n_heads, group.config.n_kv_heads, group.config.ffn_dim) == (3, 1, 512), \
+        "with N=3 each rank holds a third of the heads, KV heads and FFN"
     per_token = kv_cache_bytes(group.config, torch.float32)
     assert 3 * per_token == kv_cache_bytes(cfg, torch.float32) == 46080, "each rank holds a third per token"
     group.allocate_cache(num_blocks=12, block_size=16)
@@ -402,7 +409,7 @@ def test_real_model_n3_greedy_tokens_equal_unsharded(real_path, real_model, real
     pids = group.pids
     close_groups()
     assert not any(alive(p) for p in pids), "close() must leave no worker process"
-    assert not strays() and not dist.is_initialized()
+    assert not strays() and not dist.is_initialized(), "close() must leave no stray process and no process group"
 
 
 # ------------------------------------------------------------ through the engine
@@ -429,13 +436,13 @@ def test_engine_n2_equals_n1_batched_chunked_preempted(tiny_dir):
         assert llm.block_manager.num_blocks == ref.block_manager.num_blocks, "half the bytes per token per rank"
         got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
         assert got == want, "tensor parallelism changed the engine's tokens"
-        assert llm.scheduler.num_preemptions >= 1
-        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+        assert llm.scheduler.num_preemptions >= 1, "the N=2 run must preempt too"
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "every block is back after generate"
         pids = llm.tp.pids
     finally:
         llm.close()
     assert not any(alive(p) for p in pids), "LLM.close() must leave no worker process"
-    assert not dist.is_initialized()
+    assert not dist.is_initialized(), "close() must destroy the process group"
 
 
 # A user's script as people write them: no `if __name__ == "__main__":` guard, no close().

@@ -77,10 +77,10 @@ def test_round_trip_error_is_at_most_half_a_step():
     w[3] = 0.0                              # an all-zero row
     w[7, 11] = 1e4                          # a row with one huge outlier
     q, scale = quantize_int8(w)
-    assert q.dtype == torch.int8 and scale.shape == (64,)
-    assert q.abs().max() <= 127
+    assert q.dtype == torch.int8 and scale.shape == (64,), "quantize_int8 returns int8 values and one scale per row"
+    assert q.abs().max() <= 127, "int8 values lie in [-127, 127] (symmetric)"
     back = dequantize_int8(q, scale)
-    assert torch.isfinite(back).all() and torch.isfinite(scale).all()
+    assert torch.isfinite(back).all() and torch.isfinite(scale).all(), "an all-zero row must give no inf or nan"
     err = (back - w).abs().amax(dim=1)
     assert (err <= scale / 2 * (1 + 1e-5)).all(), f"error {err.max()} exceeds half a step"
     assert (back[3] == 0).all(), "an all-zero row must stay zero"
@@ -102,7 +102,7 @@ def test_int8_linear_equals_linear_on_dequantized_weight():
     # the CPU bf16 kernel computes the same product to bf16 precision
     ql.bias = ql.bias.bfloat16()            # as in a bf16 model
     yb = ql(x.bfloat16())
-    assert yb.dtype == torch.bfloat16
+    assert yb.dtype == torch.bfloat16, "a bf16 input gives a bf16 output"
     torch.testing.assert_close(yb.float(), ref, atol=0.05, rtol=0.02)
 
 
@@ -150,12 +150,14 @@ def test_quantize_model_swaps_every_linear_and_quarters_the_bytes():
     ref = model(ids, torch.arange(20))
     quantize_model(model, "int8")
     assert not any(isinstance(m, nn.Linear) for m in model.modules()), "some nn.Linear was not quantized"
-    assert isinstance(model.embed_tokens, nn.Embedding) and model.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(model.embed_tokens, nn.Embedding) and model.embed_tokens.weight.dtype == torch.float32, \
+        "the embedding stays a float32 nn.Embedding"
     int8_bytes = decode_weight_bytes(model)
     assert 0.25 <= int8_bytes / fp32_bytes < 0.27, f"int8/fp32 bytes = {int8_bytes / fp32_bytes:.3f}"
     assert 0.5 <= int8_bytes / bf16_bytes < 0.54, f"int8/bf16 bytes = {int8_bytes / bf16_bytes:.3f}"
     out = model(ids, torch.arange(20))
-    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8, \
+        "int8 logits keep most of the float model's greedy tokens"
     with pytest.raises(ValueError, match="already quantized"):
         quantize_model(model, "int8")
     with pytest.raises(ValueError, match="unknown quantization"):
@@ -165,8 +167,9 @@ def test_quantize_model_swaps_every_linear_and_quarters_the_bytes():
 @pytest.mark.assignment("int8")
 def test_tied_head_is_quantized_and_embedding_kept():
     model = quantize_model(tiny_model(seed=2))          # tie_embeddings=True
-    assert isinstance(model.lm_head, Int8Linear)
-    assert model.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(model.lm_head, Int8Linear), "a tied lm_head is quantized to Int8Linear"
+    assert model.embed_tokens.weight.dtype == torch.float32, \
+        "the tied embedding stays float32: quantizing the head must not touch it"
 
 
 def _fill_caches(cfg, tables, seq_lens, seed=0):
@@ -200,8 +203,9 @@ def test_paged_attention_over_int8_cache_is_close_to_float():
         rel = (out - ref).norm() / ref.norm()          # measured 0.0067 and 0.0057; truncating gives ~2x
         assert rel < 0.01, f"layer {layer}: int8 KV attention is {rel:.4f} away (relative)"
     # bytes: the formula with scales, and what is allocated
-    assert i8.bytes_per_token == int8_kv_cache_bytes(cfg) == 2 * 2 * 2 * (16 + 4)
-    assert i8.total_bytes == int8_kv_cache_bytes(cfg, 12 * 4)
+    assert i8.bytes_per_token == int8_kv_cache_bytes(cfg) == 2 * 2 * 2 * (16 + 4), \
+        "int8 KV bytes per token: 2 * layers * kv_heads * (head_dim int8 values + a 4-byte scale)"
+    assert i8.total_bytes == int8_kv_cache_bytes(cfg, 12 * 4), "the int8 KV cache allocates exactly its formula's bytes"
     i8.copy_block(3, 11)
     torch.testing.assert_close(i8.blocks(1, torch.tensor([11]))[0], i8.blocks(1, torch.tensor([3]))[0])
 
@@ -210,12 +214,12 @@ def test_paged_attention_over_int8_cache_is_close_to_float():
 @pytest.mark.needs("engine", "model")
 def test_engine_int8_matches_dense_generate_of_quantized_model(tiny_path):
     llm = LLM(tiny_path, device="cpu", dtype="float32", quantization="int8", kv_cache_bytes=1 << 22)
-    assert isinstance(llm.model.lm_head, Int8Linear)
+    assert isinstance(llm.model.lm_head, Int8Linear), "quantization='int8' swaps the head to Int8Linear"
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], list(range(40, 77))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.token_ids == generate(llm.model, p, 12), "paged int8 engine differs from dense int8 model"
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "every block is back after generate"
 
 
 @pytest.mark.assignment("int8")
@@ -223,11 +227,12 @@ def test_engine_int8_matches_dense_generate_of_quantized_model(tiny_path):
 def test_engine_with_int8_kv_cache_on_real_model(real_path):
     llm = LLM(real_path, device="cpu", quantization="int8", kv_cache_dtype="int8", kv_cache_bytes=1 << 24)
     assert llm.dtype == torch.bfloat16, "int8 on CPU should default to bf16 activations"
-    assert isinstance(llm.cache, Int8KVCache) and llm.cache.k.dtype == torch.int8
+    assert isinstance(llm.cache, Int8KVCache) and llm.cache.k.dtype == torch.int8, \
+        "kv_cache_dtype='int8' gives an Int8KVCache with int8 pools"
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = llm.generate([prompt], SamplingParams(max_tokens=12))[0]
     assert "Paris" in out.text, out.text
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "every block is back after generate"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(real_path, device="cpu", kv_cache_dtype="fp8")
 
@@ -246,7 +251,7 @@ def real_eval(real_model, real_tokenizer):
 def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, real_path, real_eval):
     from model import load_model
     ids, ppl_float = real_eval
-    assert len(ids) > 900
+    assert len(ids) > 900, "the evaluation text must be long enough to measure perplexity"
     assert 10 < ppl_float < 40, f"float perplexity {ppl_float:.2f} is off: is the model loaded right?"
     q_model = quantize_model(load_model(real_path, dtype=torch.float32)[0])
     ppl_int8 = perplexity(q_model, ids)
@@ -260,7 +265,7 @@ def test_real_model_perplexity_and_greedy_agreement(real_model, real_tokenizer, 
         total += 16
     # measured: 48 of 48 tokens shared; 0.6 let a truncating quantizer through
     assert shared / total >= 0.9, f"int8 greedy shares only {shared}/{total} tokens with float"
-    assert math.isfinite(ppl_int8)
+    assert math.isfinite(ppl_int8), "int8 perplexity must be finite"
 
 
 # ---- paths the rest of this file does not reach
@@ -379,11 +384,12 @@ def test_int4_linear_is_exactly_the_dense_product_and_its_bytes():
     x = torch.randn(7, 128)
     ref = F.linear(x, int4_reference(lin.weight, 64)[3], lin.bias)
     assert torch.equal(layer(x), ref), f"Int4Linear differs from the dense product by {(layer(x) - ref).abs().max():.3g}"
-    assert "int4, group=64" in repr(layer)
-    assert Int4Linear(nn.Linear(576, 8)).group == 64 and Int4Linear(nn.Linear(1536, 8)).group == 128
+    assert "int4, group=64" in repr(layer), "Int4Linear's repr names int4 and its group size"
+    assert Int4Linear(nn.Linear(576, 8)).group == 64 and Int4Linear(nn.Linear(1536, 8)).group == 128, \
+        "the default group: 128 where it divides in_features, else the largest of 64, 32"
     stored = sum(t.numel() * t.element_size() for t in (layer.weight, layer.scale, layer.zero))
     assert stored == 12 * (64 + 2 * 3), f"{stored} bytes: expected {12 * 70} (64 packed + 2 float16 scales + 2 zeros)"
-    assert stored / (12 * 128 * 4) <= 0.14
+    assert stored / (12 * 128 * 4) <= 0.14, "int4 storage is at most 0.14x float32's"
 
 
 @pytest.mark.timeout(300)
@@ -581,7 +587,7 @@ def test_awq_folding_keeps_the_float_model_and_beats_round_to_nearest():
     alphas = awq_scale(folded, ids.tolist())
     assert len(alphas) == 3 * 2 + 1 and any(a > 0 for a in alphas), f"alphas {alphas}"
     up = lambda m: m.layers[0].mlp.gate_up_proj.weight.chunk(2)[1]      # noqa: E731 (up's rows: down's producer)
-    assert not torch.equal(up(folded), up(model))
+    assert not torch.equal(up(folded), up(model)), "awq_scale folds 1/s into up_proj: its weights must change"
     torch.testing.assert_close(folded(ids, torch.arange(64)), ref, atol=2e-4, rtol=2e-4,
                                msg="folding the scales must leave the float model the same function")
     rtn = quantize_model(copy.deepcopy(model), "int4")

@@ -95,11 +95,13 @@ def test_noise_is_the_splitmix64_stream_of_its_key():
 def test_noise_is_a_function_of_key_position_and_stream():
     assert uniform(5, 3) == uniform(5, 3), "counter-based: the same (key, position) gives the same noise"
     us = [uniform(sample_key(7, 0), i) for i in range(20000)]
-    assert all(0 <= u < 1 for u in us) and abs(sum(us) / len(us) - 0.5) < 0.01
+    assert all(0 <= u < 1 for u in us) and abs(sum(us) / len(us) - 0.5) < 0.01, \
+        "uniform noise lies in [0, 1) and averages 0.5"
     assert len({uniform(sample_key(s, i), 0) for s in range(50) for i in range(4)}) == 200, \
         "seeds and sample indices must give different noise"
-    assert uniform(9, 0, DRAW) != uniform(9, 0, ACCEPT)
-    assert sample_key(2**64 - 1, 0) != sample_key(0, 0) and 0 <= sample_key(-2**63, 5) < 2**64
+    assert uniform(9, 0, DRAW) != uniform(9, 0, ACCEPT), "different streams at one position give different noise"
+    assert sample_key(2**64 - 1, 0) != sample_key(0, 0) and 0 <= sample_key(-2**63, 5) < 2**64, \
+        "sample_key gives distinct keys in [0, 2^64), negative seeds included"
 
 # ---------------------------------------------------- filtering and the draw
 
@@ -166,11 +168,13 @@ def test_greedy_rows_are_the_argmax_and_skip_filtering(monkeypatch):
     calls = []
     monkeypatch.setattr("sampler.filtered_probs", lambda *a: calls.append(a) or filtered_probs(*a))
     out = sample_tokens(logits, [ask(i, SamplingParams()) for i in range(16)])
-    assert [t for t, _, _ in out] == [[int(x)] for x in logits.argmax(-1)]
+    assert [t for t, _, _ in out] == [[int(x)] for x in logits.argmax(-1)], \
+        "greedy (temperature 0) rows return the argmax"
     assert not calls, "greedy rows must not sort, filter or draw"
     # The full path agrees: top_k=1 keeps only the argmax, whatever the noise.
     out = sample_tokens(logits, [ask(i, SamplingParams(temperature=1.0, top_k=1), key=i) for i in range(16)])
-    assert [t for t, _, _ in out] == [[int(x)] for x in logits.argmax(-1)] and calls
+    assert [t for t, _, _ in out] == [[int(x)] for x in logits.argmax(-1)] and calls, \
+        "top_k=1 returns the argmax through the full sampling path"
 
 
 @pytest.mark.parametrize("t,k,p,m", [(1.0, 0, 1.0, 0), (0.7, 4, 1.0, 0), (1.5, 0, 0.7, 0), (1.0, 5, 0.8, 0),
@@ -204,8 +208,9 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
         lp, alts = info[0]
         assert lp == pytest.approx(float(ref[i, tok]), abs=1e-5), f"row {i}: logprob must ignore temperature"
         top = ref[i].topk(3 - i)
-        assert alts == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist())), abs=1e-5)
-    assert out[2][1] is None
+        assert alts == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist())), abs=1e-5), \
+            "top logprobs are the top entries of the raw logits' log_softmax"
+    assert out[2][1] is None, "no logprobs requested: none returned"
 
 
 @pytest.mark.needs("sampler")
@@ -269,16 +274,21 @@ def test_penalized_verification_rows_see_their_own_history():
             assert got == want, f"trial {trial}, {how}, drafts {drafts}: got {got}, one position at a time {want}"
 
 
-@pytest.mark.assignment("sampler")
-@pytest.mark.needs("engine", "ngram-drafter", "rejection-sampling")
-def test_greedy_penalties_equal_a_naive_dense_loop(tiny_path):
-    """LLM.generate with penalties (chunked prefill, a plain greedy batch-mate; then n-gram
-    and draft-model speculation) gives the tokens of a naive loop: a dense forward pass over
-    the whole sequence per token, reference_penalties on its last row, argmax."""
-    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=6)
-    # "x y": the tiny model's greedy text repeats itself there, so every penalty changes it
+def penalized_batch(llm):
+    """Prompts and params for the penalty tests: every penalty, a repeated prompt, a plain greedy
+    batch-mate; "x y": the tiny model's greedy text repeats itself there, so every penalty changes it."""
     a, b, c = (llm.tokenizer.encode(t) for t in ("x y", "a b c a b c a b", "the cat the cat"))
-    ids, params = [a, a, b, a, c, c], PENALIZED + [PENALIZED[2], SamplingParams(max_tokens=8, ignore_eos=True)]
+    return [a, a, b, a, c, c], PENALIZED + [PENALIZED[2], SamplingParams(max_tokens=8, ignore_eos=True)]
+
+
+@pytest.mark.assignment("sampler")
+@pytest.mark.needs("engine")
+def test_greedy_penalties_equal_a_naive_dense_loop(tiny_path):
+    """LLM.generate with penalties (chunked prefill, a plain greedy batch-mate) gives the tokens
+    of a naive loop: a dense forward pass over the whole sequence per token, reference_penalties
+    on its last row, argmax."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=6)
+    ids, params = penalized_batch(llm)
     outs = llm.generate(ids, params)
     for prompt, p, out in zip(ids[:5], params, outs):
         seq = list(prompt)
@@ -288,9 +298,19 @@ def test_greedy_penalties_equal_a_naive_dense_loop(tiny_path):
         assert out.token_ids == seq[len(prompt):], f"{p}: the engine's tokens differ from the naive loop"
     plain = {tuple(x): o.token_ids for x, o in zip(ids, llm.generate(ids, params[-1]))}
     assert all(o.token_ids != plain[tuple(x)] for x, o in zip(ids[:5], outs)), "each penalty was meant to matter"
+
+
+@pytest.mark.assignment("rejection-sampling")
+@pytest.mark.needs("engine", "sampler", "ngram-drafter")
+def test_speculation_keeps_penalized_greedy_tokens(tiny_path):
+    """The same penalized batch with n-gram and draft-model speculation: verification row j
+    counts drafts 0..j-1 in its penalty history, so the tokens are the plain engine's."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=6)
+    ids, params = penalized_batch(llm)
+    outs = [o.token_ids for o in llm.generate(ids, params)]
     for drafter in ("ngram", tiny_path):     # the target as its own draft: its drafts ignore the penalties
         spec = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative=drafter, num_speculative_tokens=3)
-        assert [o.token_ids for o in spec.generate(ids, params)] == [o.token_ids for o in outs], drafter
+        assert [o.token_ids for o in spec.generate(ids, params)] == outs, f"{drafter}: speculation changed a token"
         assert 0 < spec.stats["accepted_tokens"] < spec.stats["draft_tokens"], f"{drafter}: no draft was judged"
 
 
@@ -328,7 +348,7 @@ def test_seeded_sampling_ignores_the_batch(tiny_path):
     busy = LLM(tiny_path, kv_cache_bytes=4 << 20, max_num_batched_tokens=3)   # split prefill, busy batch
     others = [SamplingParams(max_tokens=15, temperature=1.0, ignore_eos=True)] * 5
     outs = busy.generate(["noise " * i for i in range(1, 6)] + ["a seeded request"], others + [params])
-    assert outs[-1].token_ids == alone
+    assert outs[-1].token_ids == alone, "a seeded request's tokens must not depend on the batch it runs in"
     unseeded = busy.generate(["a seeded request"] * 2, SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True))
     assert unseeded[0].token_ids != unseeded[1].token_ids, "unseeded requests must not share randomness"
 
@@ -473,7 +493,8 @@ def test_streamed_deltas_add_up_and_never_show_a_stop_string(tiny_llm):
             streamed += o.outputs[0].new_text
             assert stop not in streamed, "a stop string must never reach the stream"
             final = o
-    assert final.finish_reason == "stop" and streamed == final.text == base.text[:base.text.index(stop)]
+    assert final.finish_reason == "stop" and streamed == final.text == base.text[:base.text.index(stop)], \
+        "a stop string ends the request: the stream equals the text, cut before the stop string"
 
 
 @pytest.mark.assignment("stop-strings")
@@ -481,24 +502,28 @@ def test_streamed_deltas_add_up_and_never_show_a_stop_string(tiny_llm):
 def test_stop_conditions(tiny_llm):
     llm = tiny_llm
     base = llm.generate(["stop test"], SamplingParams(max_tokens=30, ignore_eos=True))[0]
-    assert base.finish_reason == "length" and len(base.token_ids) == 30
+    assert base.finish_reason == "length" and len(base.token_ids) == 30, \
+        "without a stop condition a request runs to max_tokens (finish_reason length)"
     # a stop token id ends generation right after it appears
     target = base.token_ids[5]
     o = llm.generate(["stop test"], SamplingParams(max_tokens=30, stop_token_ids=[target]))[0]
-    assert o.finish_reason == "stop" and o.token_ids == base.token_ids[:base.token_ids.index(target) + 1]
+    assert o.finish_reason == "stop" and o.token_ids == base.token_ids[:base.token_ids.index(target) + 1], \
+        "a stop token id ends generation right after it and stays in token_ids"
     # a stop string is cut from the text
     text = base.text
     stop = text[len(text) // 2: len(text) // 2 + 3]
     o = llm.generate(["stop test"], SamplingParams(max_tokens=30, stop=[stop], ignore_eos=True))[0]
-    assert o.finish_reason == "stop" and o.text == text[:text.index(stop)]
+    assert o.finish_reason == "stop" and o.text == text[:text.index(stop)], \
+        "a stop string ends generation and is cut from the text"
     # EOS stops unless ignore_eos; the tiny model rarely says EOS, so make it the stop point
     eos = llm.tokenizer.eos_token_id
     llm.tokenizer.eos_token_id = target
     try:
         o = llm.generate(["stop test"], SamplingParams(max_tokens=30))[0]
-        assert o.finish_reason == "stop" and o.token_ids[-1] == target
+        assert o.finish_reason == "stop" and o.token_ids[-1] == target, \
+            "EOS ends generation (finish_reason stop) unless ignore_eos"
         o = llm.generate(["stop test"], SamplingParams(max_tokens=30, ignore_eos=True))[0]
-        assert o.token_ids == base.token_ids
+        assert o.token_ids == base.token_ids, "ignore_eos: EOS must not stop generation"
     finally:
         llm.tokenizer.eos_token_id = eos
     assert_no_leak(llm)

@@ -60,7 +60,7 @@ def test_batch_equals_dense_one_by_one(real_llm, dense_reference):
     outs = real_llm.generate(PROMPTS, GREEDY)
     for i, (o, ref) in enumerate(zip(outs, dense_reference)):
         assert o.token_ids == ref, f"prompt {i}: batched {o.token_ids} != dense {ref}"
-        assert o.text == real_llm.tokenizer.decode(ref, skip_special_tokens=True)
+        assert o.text == real_llm.tokenizer.decode(ref, skip_special_tokens=True), "streamed text must equal decoding the same tokens"
     assert_no_leak(real_llm)
 
 
@@ -73,7 +73,7 @@ def test_exact_under_preemption(real_path, dense_reference):
     llm = LLM(real_path, kv_cache_bytes=46 * 4 * 46080, block_size=4)
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.scheduler.num_preemptions >= 1, "the pool was meant to force preemption"
-    assert [o.token_ids for o in outs] == dense_reference
+    assert [o.token_ids for o in outs] == dense_reference, "preemption by recompute changed a greedy output (the dense reference)"
     assert_no_leak(llm)
 
 
@@ -89,7 +89,7 @@ def test_exact_under_many_preemptions(tiny_path, prefix_caching):
     outs = llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
     assert llm.scheduler.num_preemptions >= 5, f"only {llm.scheduler.num_preemptions} preemptions"
     for p, o in zip(prompts, outs):
-        assert o.token_ids == dense_generate(llm.model, p, 20)
+        assert o.token_ids == dense_generate(llm.model, p, 20), "many preemptions changed a greedy output (the dense reference)"
     assert_no_leak(llm)
 
 
@@ -101,7 +101,7 @@ def test_exact_with_tiny_prefill_chunks(real_path, dense_reference):
     schedule, steps = llm.scheduler.schedule, []
     llm.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]      # record every step's batch
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == dense_reference
+    assert [o.token_ids for o in outs] == dense_reference, "prefill in tiny chunks changed a greedy output (the dense reference)"
     sizes = [sum(item.count for item in batch) for batch in steps]
     assert max(sizes) <= 7, f"a step scheduled {max(sizes)} tokens over the budget of 7"
     assert sizes.count(7) > len(sizes) // 2, "the budget should be filled while prompts wait"
@@ -120,7 +120,7 @@ def run_twice(path, dense_reference, prefix_caching: bool) -> int:
 
 
 @pytest.mark.timeout(600)   # the module's dense reference: 6 prompts, no cache (~7 s alone)
-@pytest.mark.assignment("prefix-caching")
+@pytest.mark.assignment("scheduler-step")
 @pytest.mark.needs("engine", "model")
 def test_exact_with_prefix_caching(real_path, dense_reference):
     cached = run_twice(real_path, dense_reference, prefix_caching=True)
@@ -150,9 +150,9 @@ def test_prefills_that_fill_the_pool_do_not_deadlock(tiny_path):
     llm = LLM(tiny_path, kv_cache_bytes=8 * 4 * 512, block_size=4, max_num_batched_tokens=8)
     prompts = [list(range(10, 30)), list(range(40, 60))]                  # 20 tokens = 5 blocks each
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
-    assert llm.scheduler.num_preemptions >= 1
+    assert llm.scheduler.num_preemptions >= 1, "a pool that holds one prompt: the newest must be preempted to make progress"
     for p, o in zip(prompts, outs):
-        assert o.token_ids == dense_generate(llm.model, p, 6)
+        assert o.token_ids == dense_generate(llm.model, p, 6), "after the deadlock is broken, each output is the dense reference's"
     assert_no_leak(llm)
 
 
@@ -173,9 +173,9 @@ def test_a_burst_of_n_gt_1_requests_never_exceeds_the_seats(tiny_path):
         most = max(most, len(llm.scheduler.running))
         done.update((o.request_id, o) for o in outs if o.finished)
     assert most == 8, f"{most} sequences ran at once with max_num_seqs = 8"
-    assert sorted(done) == sorted(rids)
-    assert all(len(done[r].outputs) == (4 if i < 6 else 1) for i, r in enumerate(rids))
-    assert all(len(c.token_ids) == 6 for o in done.values() for c in o.outputs)
+    assert sorted(done) == sorted(rids), "every request of the burst must finish"
+    assert all(len(done[r].outputs) == (4 if i < 6 else 1) for i, r in enumerate(rids)), "each request gets its n samples"
+    assert all(len(c.token_ids) == 6 for o in done.values() for c in o.outputs), "each sample gets its max_tokens tokens"
     assert_no_leak(llm)
 
 
@@ -205,7 +205,7 @@ def test_one_forward_pass_per_step_for_64_prompts(tiny_llm):
         outs = llm.generate(prompts, [SamplingParams(max_tokens=1 + i % 16, ignore_eos=True) for i in range(64)])
     finally:
         h1.remove(), h2.remove()
-    assert all(len(o.token_ids) == 1 + i % 16 for i, o in enumerate(outs))
+    assert all(len(o.token_ids) == 1 + i % 16 for i, o in enumerate(outs)), "each request gets exactly its max_tokens tokens (one forward pass per step for all)"
     assert calls["model"] == calls["mlp"] == llm.stats["steps"], "one batched pass per step, no per-sequence MLP"
     assert llm.stats["steps"] < 64, "sequences must share steps"
     assert_no_leak(llm)
@@ -224,10 +224,10 @@ def test_prompt_logprobs_read_no_prefix_cache_but_fill_it(tiny_path):
     assert plain.metrics.cached_tokens == 64 and plain.prompt_logprobs is None, "the scored prompt's blocks serve"
     queries, hits = bm.prefix_queries, bm.prefix_hits
     again = llm.generate([prompt], scored)[0]
-    assert (bm.prefix_queries, bm.prefix_hits) == (queries, hits) and again.metrics.cached_tokens == 0
+    assert (bm.prefix_queries, bm.prefix_hits) == (queries, hits) and again.metrics.cached_tokens == 0, "a request scoring its prompt reads no prefix-cache entry (queries, hits and cached_tokens unchanged)"
     for out in (first, again):
         assert_dense_prompt_logprobs(llm.model, prompt, out.prompt_logprobs, 1)
-        assert out.token_ids == plain.token_ids
+        assert out.token_ids == plain.token_ids, "prompt logprobs must not change the generated tokens"
     assert_no_leak(llm)
 
 
@@ -264,8 +264,8 @@ def test_scheduler_admits_in_order_within_the_token_budget(real_tokenizer):
     fake_step(sched, b1)
     b2 = sched.schedule()
     # decode for seq 0 first, then the rest of seq 1's prompt, then seq 2 (seats: 3 max)
-    assert [(i.seq, i.count) for i in b2] == [(seqs[0], 1), (seqs[1], 2), (seqs[2], 6)]
-    assert sum(i.count for i in b2) <= 10 and seqs[3] in sched.waiting
+    assert [(i.seq, i.count) for i in b2] == [(seqs[0], 1), (seqs[1], 2), (seqs[2], 6)], "decodes first (1 token each), then the prefill chunk that fits the budget left, in arrival order"
+    assert sum(i.count for i in b2) <= 10 and seqs[3] in sched.waiting, "the budget (10 tokens) is never exceeded and the next waiting one waits"
 
 
 @pytest.mark.assignment("scheduler-step")
@@ -278,9 +278,9 @@ def test_scheduler_preempts_the_newest_sequence(real_tokenizer):
         sched.waiting.append(s)
     fake_step(sched, sched.schedule())      # three 4-token prompts: 3 full blocks
     fake_step(sched, sched.schedule())      # decodes: seq 0 gets the last block, 1 and 2 cannot
-    assert sched.num_preemptions >= 1
+    assert sched.num_preemptions >= 1, "the pool cannot give every decode its next block: something must be preempted"
     assert seqs[2].status == "waiting" and sched.waiting[0] is seqs[2], "newest goes back to the front"
-    assert seqs[0].status == "running"
+    assert seqs[0].status == "running", "the OLDEST running sequence keeps running (the newest is preempted)"
     assert seqs[2].num_computed == 0 and len(seqs[2].token_ids) == 5, "generated tokens are kept for recompute"
 
 
@@ -295,13 +295,13 @@ def test_preempted_sequence_goes_back_to_the_front_of_the_queue(real_tokenizer):
     for s in seqs:
         sched.waiting.append(s)
     first = sched.schedule()                # two seats: seqs 0 and 1 prefill, 2 and 3 wait
-    assert [i.seq for i in first] == seqs[:2] and list(sched.waiting) == seqs[2:]
+    assert [i.seq for i in first] == seqs[:2] and list(sched.waiting) == seqs[2:], "two seats: the first two arrivals prefill, the others wait in order"
     fake_step(sched, first)
     # Both decode into a new block, one is free: seq 1 (the newest) yields its
     # block. It arrived before seqs 2 and 3, so it is first in line again, and
     # the block it gave back is enough to restart its prompt in the same step.
     second = sched.schedule()
-    assert sched.num_preemptions == 1 and seqs[1].request.metrics.preemptions == 1
+    assert sched.num_preemptions == 1 and seqs[1].request.metrics.preemptions == 1, "one preemption, counted in the scheduler and in the request's metrics"
     assert [(i.seq, i.start, i.count) for i in second] == [(seqs[0], 4, 1), (seqs[1], 0, 4)], \
         "the preempted sequence must go back to the FRONT of the waiting queue, before later arrivals"
-    assert list(sched.waiting) == [seqs[2], seqs[3]]
+    assert list(sched.waiting) == [seqs[2], seqs[3]], "the later arrivals still wait behind the preempted one, in order"

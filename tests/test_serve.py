@@ -353,16 +353,21 @@ def test_streaming_concatenates_to_the_full_answer(server):
         chunks = sse(payload)
         if "chat" in path:
             text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-            assert full["choices"][0]["message"]["content"] == text
-            assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant", \
+                "the first chat chunk's delta carries the assistant role"
+            assert full["choices"][0]["message"]["content"] == text, \
+                "streamed chat deltas add up to the unstreamed message"
+            assert {c["object"] for c in chunks} == {"chat.completion.chunk"}, \
+                "every chat chunk is a chat.completion.chunk"
         else:
             text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-            assert full["choices"][0]["text"] == text
+            assert full["choices"][0]["text"] == text, "streamed text deltas add up to the unstreamed text"
         assert len([c for c in chunks if c["choices"]]) > 2, "the answer was not streamed in pieces"
         reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
-        assert reasons == [full["choices"][0]["finish_reason"]]
-        assert chunks[-1]["usage"] == full["usage"] and not chunks[-1]["choices"]
+        assert reasons == [full["choices"][0]["finish_reason"]], \
+            "finish_reason is sent once, equal to the unstreamed one"
+        assert chunks[-1]["usage"] == full["usage"] and not chunks[-1]["choices"], \
+            "the last chunk carries the unstreamed usage and no choices"
         assert all(c["choices"] and "usage" not in c for c in chunks[:-1]), "usage rides on the last chunk alone"
         # OpenAI's rule: no usage chunk unless stream_options.include_usage asks (a client that
         # reads choices[0] of every chunk breaks on it)
@@ -372,7 +377,8 @@ def test_streaming_concatenates_to_the_full_answer(server):
         status, payload = request(server, "POST", path, {**body, "stream": True, "stream_options": {
             "include_usage": True, "continuous_usage_stats": True}})
         counts = [c["usage"]["completion_tokens"] for c in sse(payload)]
-        assert counts == sorted(counts) and counts[-1] == full["usage"]["completion_tokens"]
+        assert counts == sorted(counts) and counts[-1] == full["usage"]["completion_tokens"], \
+            "continuous usage counts never decrease and end at the final completion_tokens"
         # ... only together with include_usage, as in vLLM: alone, it adds usage nowhere
         status, payload = request(server, "POST", path, {**body, "stream": True,
                                                          "stream_options": {"continuous_usage_stats": True}})
@@ -387,9 +393,11 @@ def test_streaming_concatenates_to_the_full_answer(server):
     for c in full["choices"]:
         mine = [ch for chunk in chunks for ch in chunk["choices"] if ch["index"] == c["index"]]
         assert "".join(ch["text"] for ch in mine) == c["text"], f"choice {c['index']}: deltas != its text"
-        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == [c["finish_reason"]]
+        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == [c["finish_reason"]], \
+            f"choice {c['index']}: its finish_reason is sent once"
         assert mine[-1]["finish_reason"], f"choice {c['index']}: a chunk was sent after it finished"
-    assert chunks[-1]["usage"] == full["usage"] and not chunks[-1]["choices"]
+    assert chunks[-1]["usage"] == full["usage"] and not chunks[-1]["choices"], \
+        "the usage chunk counts all n choices and carries no choice"
 
 
 @pytest.mark.needs("engine", "sampler", "copy-on-write", "stop-strings", "sse-stream")
@@ -1380,7 +1388,7 @@ def test_api_key(small_llm):
 @pytest.mark.needs("engine")
 def test_disconnect_mid_stream_frees_the_blocks(server):
     llm = server.engine.llm
-    assert wait_all_free(llm)
+    assert wait_all_free(llm), "earlier requests must have freed every block"
     aborted = metric(server, "nanoinfer_requests_aborted_total")
     stream = start_stream(server, {"prompt": "a long story", "max_tokens": 400, "temperature": 0,
                                    "ignore_eos": True})
@@ -1516,13 +1524,14 @@ def test_drain_finishes_in_flight_requests_and_aborts_the_rest(small_llm):
         thread.join(60)
         status, out = short["r"]
         assert status == 200 and out["choices"][0]["finish_reason"] == "length", "in flight, it should finish"
-        assert out["usage"]["completion_tokens"] == 60
+        assert out["usage"]["completion_tokens"] == 60, "an in-flight request runs to its max_tokens during a drain"
         hurry.set()                       # stop waiting for the long one
         drainer.join(30)
-        assert stream_error(long_stream.rest())["code"] == "server_shutting_down"
+        assert stream_error(long_stream.rest())["code"] == "server_shutting_down", \
+            "the aborted stream ends with a server_shutting_down error"
         assert report["in_flight"] == 2 and report["aborted"] == 1, report
         assert report["kv_blocks_free"] == report["kv_blocks_total"], report
-        assert wait_all_free(small_llm)
+        assert wait_all_free(small_llm), "after a drain every block is free"
 
 
 @pytest.mark.needs("engine", "sampler", "sse-stream")     # a server process: its failures show only as timeouts

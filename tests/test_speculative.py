@@ -35,7 +35,7 @@ def test_all_accepted_gives_k_drafts_plus_bonus():
     V = 6
     target = onehot([2, 4, 1, 5], V)                   # the target agrees with every draft
     out = rejection_sample(target, onehot([2, 4, 1], V), torch.tensor([2, 4, 1]))
-    assert out == [2, 4, 1, 5]
+    assert out == [2, 4, 1, 5], "all k drafts accepted: the k drafts plus a bonus token from the last target row"
 
 
 @pytest.mark.assignment("rejection-sampling")
@@ -54,7 +54,8 @@ def test_a_draft_the_target_never_emits_is_always_rejected():
     for seed in range(50):
         out = rejection_sample(target, torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([0]),
                                torch.Generator().manual_seed(seed))
-        assert len(out) == 1 and out[0] in (1, 2)
+        assert len(out) == 1 and out[0] in (1, 2), \
+            "a draft the target gives probability 0 is always rejected, resampled from the residual"
 
 
 def random_dists(g, *shape):
@@ -87,7 +88,7 @@ def test_batched_agrees_with_single_draw_for_draw():
         single = rejection_sample(target[b, :n + 1], draft[b, :n], tokens[b, :n],
                                   torch.Generator().manual_seed(100 + b))
         assert int(n_acc[b]) == len(single) - 1, f"row {b}: accepted {int(n_acc[b])} vs single {len(single) - 1}"
-        assert single[:-1] == tokens[b, :len(single) - 1].tolist()
+        assert single[:-1] == tokens[b, :len(single) - 1].tolist(), "the accepted tokens are a prefix of the drafts"
         ref = residual_reference(target[b], draft[b], int(n_acc[b]), n)
         torch.testing.assert_close(final[b] / final[b].sum(), ref, msg=f"row {b}: wrong final distribution")
         assert ref[single[-1]] > 0, f"row {b}: the single version drew a token the final distribution excludes"
@@ -103,7 +104,7 @@ def test_deterministic_drafts_match_one_hot_draft_probs():
     u, n = torch.rand(B, K, generator=g), torch.tensor([3, 2, 1, 0, 3, 3, 2, 1])
     a = rejection_sample_batched(target, None, tokens, n, u)
     b = rejection_sample_batched(target, torch.nn.functional.one_hot(tokens, V).float(), tokens, n, u)
-    assert torch.equal(a[0], b[0])
+    assert torch.equal(a[0], b[0]), "draft_probs=None must accept the same drafts as one-hot draft probabilities"
     torch.testing.assert_close(a[1] / a[1].sum(-1, keepdim=True), b[1] / b[1].sum(-1, keepdim=True))
 
 
@@ -153,7 +154,8 @@ def test_every_position_follows_the_target_distribution(k, case):
         assert stat < 18.47, f"position {i} ({int(reached.sum())} samples): chi-square {stat:.1f} (df {df}): " \
                              f"not distributed as the target"
     freq = torch.bincount(torch.where(n_acc > 0, tokens[:, 0], last), minlength=V).float() / N
-    assert 0.5 * (freq - target[0]).abs().sum() < 0.01
+    assert 0.5 * (freq - target[0]).abs().sum() < 0.01, \
+        "the first emitted token is distributed as the target's first row"
     if case not in ("draft_equals_target", "deterministic"):
         assert 0.5 * (freq - draft[0]).abs().sum() > 0.05, "the test must be able to tell q from p"
 
@@ -225,7 +227,8 @@ def assert_no_leak(llm):
 def test_ngram_greedy_is_exact_and_accepts_copies(real_path, plain_outputs):
     llm = LLM(real_path, kv_cache_bytes=64 << 20, speculative="ngram", num_speculative_tokens=4)
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == plain_outputs
+    assert [o.token_ids for o in outs] == plain_outputs, \
+        "greedy n-gram speculation gives exactly plain decoding's tokens"
     m = outs[0].metrics
     assert m.draft_tokens > 0 and m.acceptance_rate > 0.5, f"copying: acceptance {m.acceptance_rate}"
     assert m.verify_steps < 12, "accepted drafts must save target passes (16 tokens)"
@@ -239,8 +242,8 @@ def test_ngram_greedy_is_exact_under_preemption(real_path, plain_outputs):
     llm = LLM(real_path, kv_cache_bytes=24 * 4 * 46080, block_size=4, speculative="ngram",
               num_speculative_tokens=3)
     outs = llm.generate(PROMPTS, GREEDY)
-    assert llm.scheduler.num_preemptions >= 1
-    assert [o.token_ids for o in outs] == plain_outputs
+    assert llm.scheduler.num_preemptions >= 1, "the pool was meant to force preemption"
+    assert [o.token_ids for o in outs] == plain_outputs, "greedy speculation stays exact across preemptions"
     assert_no_leak(llm)
 
 
@@ -306,8 +309,8 @@ def test_sampled_speculation_with_forks_finishes_without_leaks(tiny_path):
     p = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=0, ignore_eos=True, n=2,
                        repetition_penalty=0.5)
     outs = llm.generate(["a a a a b b b b a a a a b b"] * 3, p)
-    assert all(len(c.token_ids) == 30 for o in outs for c in o.outputs)
-    assert all(o.finish_reason == "length" for o in outs)
+    assert all(len(c.token_ids) == 30 for o in outs for c in o.outputs), "every sample runs to max_tokens"
+    assert all(o.finish_reason == "length" for o in outs), "ignore_eos: every request finishes by length"
     assert 0 < llm.stats["accepted_tokens"] < llm.stats["draft_tokens"], "sampled drafts were meant to be judged"
     assert_no_leak(llm)
 
