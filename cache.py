@@ -7,7 +7,10 @@ O(T^2), and makes the cache THE state of inference:
     KV bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes_per_value
 
 SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes, so a 2048-token sequence holds
-94 MB: the cache, not the 540 MB of weights, limits how many sequences fit at once.
+94 MB: the cache, not the 540 MB of weights, limits how many sequences fit at once. Each way to
+shrink it changes one factor: fewer kv_heads (GQA, MQA: model.py), fewer layers holding K/V
+(cross-layer attention, cla_share S: the layers of a group read the first one's: layers / S),
+fewer tokens (a sliding window, below).
 
 PagedAttention keeps it in blocks of `block_size` tokens anywhere in one pool: a block table
 per sequence maps logical block i -> physical block id, like an OS page table. No memory waits
@@ -40,10 +43,11 @@ from support.checks import check_positive_ints
 
 # --- Memory accounting: the lecture's formula, used to size the pool ----------
 def kv_cache_bytes(cfg, dtype, num_tokens: int = 1) -> int:
-    """2 * layers * kv_heads * head_dim * bytes_per_value * tokens."""
+    """2 * layers * kv_heads * head_dim * bytes_per_value * tokens, the layers those that hold
+    K/V: cfg.kv_layers (every layer; 1 in S with cross-layer attention, cfg.cla_share = S)."""
     # assignment: kv-cache-bytes
     bytes_per_value = torch.finfo(dtype).bits // 8
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_value * num_tokens
+    return 2 * cfg.kv_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_value * num_tokens
     # end assignment
 
 
@@ -64,7 +68,7 @@ class KVCache:
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
         if num_blocks < 1:
             raise ValueError("the KV cache budget is too small for a single block")
-        shape = (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.kv_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype)
         self.v = torch.zeros_like(self.k)
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
@@ -156,7 +160,8 @@ class AttentionContext:
     logits_indices: torch.Tensor | None = None   # [R] rows that need logits (None: all)
 
     def attend(self, layer: int, q, k, v):
-        self.cache.write(layer, self.slot_mapping, k, v)   # write first: a token sees itself
+        if k is not None:                                   # CLA: a sharing layer only reads
+            self.cache.write(layer, self.slot_mapping, k, v)   # write first: a token sees itself
         return paged_attention(q, self.cache, layer, self.block_tables, self.seq_lens,
                                self.query_lens)
 

@@ -221,7 +221,8 @@ class LayerContext:
         # Write first (a token sees itself) into the layer's whole [1, ...] pool (`:`, not 0): the
         # graph INPUT the op mutates. AOTAutograd rebuilds a mutated view OF an input from the
         # offset seen in tracing (layer 0's), unguarded: other layers' writes would hit a copy.
-        self.cache.write(slice(None), self.slot_mapping, k, v)
+        if k is not None:                       # CLA: a sharing layer reads the first one's
+            self.cache.write(slice(None), self.slot_mapping, k, v)
         B, Q = self.q_pos.shape
         q = q.view(B, Q, *q.shape[1:])
         # CUDA, Triton, an unquantized cache: one kernel
@@ -304,7 +305,8 @@ class CompiledDecoder:
         self.query_sizes = sorted(set(query_sizes) | {1})
         self.device, self.cuda = cache.k.device, on_cuda(cache.k.device)
         self.regions = compiled_regions(model)
-        self.layer_caches = [layer_cache(cache, i) for i in range(model.config.n_layers)]
+        # one view per MODEL layer, of the cache layer it reads (CLA: S layers share one)
+        self.layer_caches = [layer_cache(cache, block.self_attn.kv_layer) for block in model.layers]
         # logits: every row of a "queries" bucket; a bigger bucket gathers this many rows first
         self.max_logits = self.batch_sizes[-1] * self.query_sizes[-1]
         rows = max(self.max_logits, self.row_sizes[-1])

@@ -109,7 +109,8 @@ class StepContext:
         self.logits_indices = logits_indices      # rows that need logits (None: all)
 
     def attend(self, layer: int, q, k, v):
-        self.cache.write(layer, self.slot_mapping, k, v)         # write first: a token sees itself
+        if k is not None:                                        # CLA: a sharing layer only reads
+            self.cache.write(layer, self.slot_mapping, k, v)     # write first: a token sees itself
         N, H, d = q.shape
         if len(self.groups) == 1 and self.groups[0].index is None:   # decode: no gather, no scatter
             g, B = self.groups[0], self.groups[0].block_tables.shape[0]

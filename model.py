@@ -52,6 +52,12 @@ class ModelConfig:
     eos_token_id: int | list | None = None
     random_seed: int | None = None  # set by "random:" presets: the weights are random, not trained
     sliding_window: int | None = None  # Mistral's W: a query sees its last W positions (None: all)
+    cla_share: int = 1              # cross-layer attention: S consecutive layers share one K/V
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers whose K/V the cache holds: one per group of cla_share (CLA), else every layer."""
+        return -(-self.n_layers // self.cla_share)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -146,27 +152,35 @@ class Attention(nn.Module):
     scales with n_kv, not H: SmolLM2's 9 query heads over 3 KV heads, a 3x smaller cache.
     q, k and v read the same x: ONE linear of their stacked rows, [(H + 2 n_kv) d, D] (vLLM's
     QKVParallelLinear, gpt-fast's wqkv). A decode step streams one wide weight instead of three,
-    two of them narrow (k, v: n_kv d rows, too few to keep a GPU's memory busy)."""
+    two of them narrow (k, v: n_kv d rows, too few to keep a GPU's memory busy).
+    Cross-layer attention (CLA, cla_share = S): only the first layer of each S computes K and V;
+    the next S - 1 attend to ITS cache layer (kv_layer) and have no k, v rows: the cache holds
+    L / S layers, S times fewer bytes per token."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx, self.window = layer_idx, cfg.sliding_window    # window: Mistral's W or None
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.kv_layer = layer_idx // cfg.cla_share                   # the cache layer it reads
+        self.writes_kv = layer_idx % cfg.cla_share == 0              # CLA: the group's first
         b = cfg.attention_bias
-        # Hugging Face's q_proj, k_proj, v_proj, stacked at load (FUSED below)
-        rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        # Hugging Face's q_proj, k_proj, v_proj, stacked at load (FUSED below); CLA: q alone
+        rows = (cfg.n_heads + 2 * cfg.n_kv_heads * self.writes_kv) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.dim, rows, bias=b)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=b)
 
     def forward(self, x, cos, sin, ctx):
         N, H, KV, d = x.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).split([H * d, KV * d, KV * d], dim=-1)
-        q, k, v = q.view(N, H, d), k.view(N, KV, d), v.view(N, KV, d)   # [N, H or n_kv, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.writes_kv:
+            q, k, v = self.qkv_proj(x).split([H * d, KV * d, KV * d], dim=-1)
+            k, v = apply_rope(k.view(N, KV, d), cos, sin), v.view(N, KV, d)   # [N, n_kv, d]
+        else:                                   # CLA: K, V are the group's first layer's
+            q, k, v = self.qkv_proj(x), None, None
+        q = apply_rope(q.view(N, H, d), cos, sin)                        # [N, H, d]
         if ctx is None:
             out = dense_causal_attention(q, k, v, self.window)       # no cache: one sequence
         else:
-            out = ctx.attend(self.layer_idx, q, k, v)                # paged KV cache (cache.py)
+            out = ctx.attend(self.kv_layer, q, k, v)    # paged KV cache (cache.py); k None: read
         return self.o_proj(out.reshape(N, self.n_heads * self.head_dim))
 
 
@@ -204,6 +218,20 @@ class Block(nn.Module):
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+class SharedKV:
+    """The dense path of a CLA model: each group's first layer's K, V, kept for the layers that
+    share them (what the paged cache does across steps, here within one pass); no logits rows."""
+    logits_indices = None
+
+    def __init__(self, window):
+        self.window, self.kv = window, {}
+
+    def attend(self, kv_layer: int, q, k, v):
+        if k is not None:
+            self.kv[kv_layer] = (k, v)
+        return dense_causal_attention(q, *self.kv[kv_layer], self.window)
+
+
 class Transformer(nn.Module):
     """The whole decoder. Submodule names follow Hugging Face's LlamaForCausalLM (minus its
     "model." prefix; q/k/v and gate/up stacked, FUSED) so a checkpoint loads as is."""
@@ -228,6 +256,8 @@ class Transformer(nn.Module):
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
         x = self.embed_tokens(input_ids)                                 # [N, D]
+        if ctx is None and self.config.cla_share > 1:
+            ctx = SharedKV(self.config.sliding_window)          # CLA's dense path keeps K, V
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         if ctx is not None and ctx.logits_indices is not None:
@@ -301,7 +331,8 @@ def load_model(path, device="cpu", dtype=torch.float32):
 
 
 def fused_rows(cfg: ModelConfig) -> dict:
-    """{stacked linear: [(Hugging Face part, its rows), ...]} (FUSED, with this config's sizes)."""
+    """{stacked linear: [(Hugging Face part, its rows), ...]} (FUSED, with this config's sizes).
+    A stacked linear may hold only its first parts (a CLA layer's qkv_proj: q alone)."""
     qkv = [cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2
     sizes = {"qkv_proj": qkv, "gate_up_proj": [cfg.ffn_dim] * 2}
     return {name: list(zip(FUSED[name], sizes[name])) for name in FUSED}

@@ -208,7 +208,7 @@ def shard_model(model, rank: int, world_size: int, comm: Collectives | None = No
     tied = model.lm_head.weight is model.embed_tokens.weight
     for block in model.layers:
         a, m = block.self_attn, block.mlp
-        qkv = [a.n_heads * a.head_dim] + [a.n_kv_heads * a.head_dim] * 2    # its q, k, v heads
+        qkv = [a.n_heads * a.head_dim] + [a.n_kv_heads * a.head_dim] * 2 * a.writes_kv   # q, k, v
         a.qkv_proj = ColumnParallelLinear(a.qkv_proj, rank, world_size, parts=qkv)
         a.o_proj = RowParallelLinear(a.o_proj, rank, world_size, comm)       # all-reduce #1
         a.n_heads, a.n_kv_heads = a.n_heads // world_size, a.n_kv_heads // world_size

@@ -369,7 +369,7 @@ def decode_weight_bytes(model: nn.Module) -> int:
 # --- The int8 KV cache -------------------------------------------------------
 def int8_kv_cache_bytes(cfg, num_tokens: int = 1) -> int:
     """2 (K, V) * layers * kv_heads * (head_dim int8 values + one float32 scale) * tokens."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + 4) * num_tokens
+    return 2 * cfg.kv_layers * cfg.n_kv_heads * (cfg.head_dim + 4) * num_tokens
 
 
 class Int8KVCache(KVCache):

@@ -31,7 +31,8 @@ LECTURE_PRESET, BLOCK, LONG_CONTEXT = "llama-3.2-1b", 16, 128 * 1024   # 32 quer
 WORKLOAD = {
     "cpu": dict(body="smollm2-135m", batch=4, context=1024, steps=10, window=64, tokens=1024, lecture=(4, 1024)),
     "cpu-quick": dict(body="smollm2-tiny", batch=4, context=1024, steps=8, window=32, tokens=128, lecture=(4, 128)),
-    "gpu": dict(body=LECTURE_PRESET, batch=8, context=4096, steps=10, window=64, tokens=1024, lecture=(8, 4096)),
+    "gpu": dict(body=LECTURE_PRESET, batch=8, context=4096, steps=10, window=64, tokens=1024, lecture=(8, 4096),
+                variants=("MHA", "GQA-8", "MQA")),   # CLA: counted in the lecture rows, not timed (the run's limit)
     "gpu-quick": dict(body=LECTURE_PRESET, batch=8, context=4096, steps=5, window=64, tokens=1024, lecture=(8, 4096),
                       variants=("MHA", "MQA"))}     # the smoke run on a GPU: the two ends, one compile fewer
 # The lecture's arithmetic for published models, bf16: (model, attention, layers, values cached per token per
@@ -53,11 +54,14 @@ def body(s, w) -> str:
 
 
 def variants(preset: str) -> list:
-    """[(name, "random:" path)]: MHA (a KV head per query head), the published GQA, MQA (one)."""
+    """[(name, "random:" path)]: MHA (a KV head per query head), the published GQA, MQA (one), and
+    the published GQA with cross-layer attention (CLA-2: pairs of layers share one K/V layer)."""
     cfg, _ = model_config(RANDOM_PREFIX + preset)
     names = {1: "MQA", cfg.n_heads: "MHA"}
-    return [(names.get(kv, f"GQA-{kv}"), f"{RANDOM_PREFIX}{preset}:kv_heads={kv}")
-            for kv in sorted({cfg.n_heads, cfg.n_kv_heads, 1}, reverse=True)]
+    heads = [(names.get(kv, f"GQA-{kv}"), f"{RANDOM_PREFIX}{preset}:kv_heads={kv}")
+             for kv in sorted({cfg.n_heads, cfg.n_kv_heads, 1}, reverse=True)]
+    gqa = names.get(cfg.n_kv_heads, f"GQA-{cfg.n_kv_heads}")
+    return heads + [(f"{gqa} + CLA-2", f"{RANDOM_PREFIX}{preset}:kv_heads={cfg.n_kv_heads}:cla_share=2")]
 
 
 def budget(preset: str, dtype, batch: int, context: int) -> int:
@@ -80,8 +84,8 @@ def fit_batch(bm: BlockManager, context: int) -> int:
 def kv_row(name, path, cfg, dtype, cache, bm, context) -> dict:
     """A variant's bytes per token (the lecture's formula, written out; and the pool allocated) and its fit."""
     tokens = cache.num_blocks * cache.block_size
-    return {"name": name, "model": path, "kv_heads": cfg.n_kv_heads,
-            "kv_bytes_per_token": 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize,
+    return {"name": name, "model": path, "kv_heads": cfg.n_kv_heads, "cla_share": cfg.cla_share,
+            "kv_bytes_per_token": 2 * cfg.kv_layers * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize,
             "pool_bytes": cache.total_bytes, "pool_tokens": tokens, "pool_bytes_per_token": cache.total_bytes / tokens,
             "pool_blocks": bm.num_blocks, "fit_batch": fit_batch(bm, context)}
 

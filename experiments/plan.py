@@ -192,11 +192,13 @@ def _weight_bytes(path, dtype, quantization) -> int:
     if key not in _WEIGHTS:
         if not quantization:
             _WEIGHTS[key] = _meta_bytes(load_model(path, device="meta", dtype=dtype)[0])
-        else:   # quantized on the meta device, 1 and 2 layers deep (every layer has one shape): fast, exact
+        else:   # quantized on the meta device, 1 and 2 groups of layers deep (every group of cla_share
+            # layers has one shape; one layer without CLA): fast, exact
             cfg = load_model(path, device="meta", dtype=dtype)[1]
+            S = cfg.cla_share
             one, two = (_meta_bytes(quantize_model(_meta_model(cfg, n, dtype), "int4" if quantization == "awq"
-                                                   else quantization)) for n in (1, 2))   # awq: int4's bytes
-            _WEIGHTS[key] = one + (cfg.n_layers - 1) * (two - one)
+                                                   else quantization)) for n in (S, 2 * S))   # awq: int4's
+            _WEIGHTS[key] = one + (-(-cfg.n_layers // S) - 1) * (two - one)
     return _WEIGHTS[key]
 
 

@@ -96,6 +96,9 @@ def config_fields(hf: dict) -> dict:
         # (null or absent: all of them).
         # Models that interleave local and global layers (Gemma 2/3, gpt-oss) are not supported.
         sliding_window=_int_field(hf, "sliding_window", None),
+        # Cross-layer attention (Brandon et al. 2024): groups of this many consecutive layers
+        # share the first one's K/V (its own field: no Hugging Face architecture has it).
+        cla_share=_int_field(hf, "cla_share", 1, hi=MAX_LAYERS),
     )
 
 
@@ -263,14 +266,30 @@ def read_tensors(path, cfg, expected: dict, device="cpu", dtype=torch.float32) -
     return tensors
 
 
+def _present(parts: list, rows: int) -> list:
+    """The leading parts that make up `rows` rows (a CLA layer's qkv_proj holds q alone)."""
+    held, total = [], 0
+    for part, n in parts:
+        if total >= rows:
+            break
+        held.append((part, n))
+        total += n
+    if total != rows:
+        raise ValueError(f"{rows} rows are no prefix of the stacked parts {parts}")
+    return held
+
+
 def unstacked(expected: dict, parts: dict) -> dict:
     """{name: shape} with each stacked linear's tensors (parts: {"qkv_proj": [("q_proj", rows),
     ...]}) as its Hugging Face parts: what a checkpoint holds."""
     out = {}
     for name, shape in expected.items():
         prefix, module, param = _split_name(name)
-        for part, rows in parts.get(module, [(module, shape[0] if shape else None)]):
-            out[f"{prefix}{part}.{param}"] = (rows, *shape[1:]) if module in parts else shape
+        if module not in parts:
+            out[name] = shape
+            continue
+        for part, rows in _present(parts[module], shape[0]):
+            out[f"{prefix}{part}.{param}"] = (rows, *shape[1:])
     return out
 
 
@@ -286,8 +305,8 @@ def stack_fused(tensors: dict, parts: dict) -> dict:
         if fused is None:
             out[name] = tensors.pop(name)
             continue
-        out[f"{prefix}{fused}.{param}"] = torch.cat(
-            [tensors.pop(f"{prefix}{part}.{param}") for part, _ in parts[fused]])
+        held = [f"{prefix}{part}.{param}" for part, _ in parts[fused]]   # a prefix of them
+        out[f"{prefix}{fused}.{param}"] = torch.cat([tensors.pop(h) for h in held if h in tensors])
     return out
 
 
@@ -300,7 +319,7 @@ def hf_state_dict(state_dict: dict, parts: dict) -> dict:
         if module not in parts:
             out[name] = t
             continue
-        names, rows = zip(*parts[module])
+        names, rows = zip(*_present(parts[module], t.shape[0]))
         out.update((f"{prefix}{n}.{param}", p) for n, p in zip(names, t.split(list(rows))))
     return out
 
@@ -540,13 +559,14 @@ PRESETS = {
 #                        the new shape [N * head_dim, hidden], drawn from their usual per-name
 #                        seed and scale.
 #   sliding_window=W  -> sliding_window (Mistral's): each query sees its last W positions.
+#   cla_share=S       -> cla_share: cross-layer attention, S layers share each K/V layer.
 PRESET_OPTIONS = {"seed": None, "kv_heads": "num_key_value_heads",
-                  "sliding_window": "sliding_window"}
+                  "sliding_window": "sliding_window", "cla_share": "cla_share"}
 
 
 def parse_random_path(path: str) -> tuple[str, int, dict]:
-    """"random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W]" -> (preset, seed, config.json
-    overrides), e.g. "random:llama-3.2-1b:kv_heads=1:seed=3". The default seed is 0."""
+    """"random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W][:cla_share=S]" -> (preset, seed,
+    config.json overrides), e.g. "random:llama-3.2-1b:kv_heads=1:seed=3". The default seed is 0."""
     rest = os.fspath(path).removeprefix(RANDOM_PREFIX)
     name, *options = rest.split(":")
     if name not in PRESETS:
@@ -555,9 +575,9 @@ def parse_random_path(path: str) -> tuple[str, int, dict]:
     for option in options:
         m = re.fullmatch(r"([a-z_]+)=(\d{1,19})", option)
         if m is None or m.group(1) not in PRESET_OPTIONS or m.group(1) in values:
-            raise ValueError(f"bad option {option!r} in {path!r}: expected "
-                             f"random:{name}[:seed=N][:kv_heads=N][:sliding_window=W], each at "
-                             f"most once, with non-negative integers")
+            raise ValueError(f"bad option {option!r} in {path!r}: expected random:{name}[:seed=N]"
+                             f"[:kv_heads=N][:sliding_window=W][:cla_share=S], each at most "
+                             f"once, with non-negative integers")
         values[m.group(1)] = int(m.group(2))
     seed = values.pop("seed", 0)
     if seed >= 2**63:

@@ -359,7 +359,7 @@ def say_pool(cfg, usable: int, block_size: int, per_token: int, int8: bool, dtyp
     """The KV pool's one line: its tokens and the lecture's bytes-per-token formula."""
     value = f"(1 B + 4/{cfg.head_dim} B of scale)" if int8 else f"{dtype.itemsize} B"
     print(f"nanoinfer: KV cache {usable} blocks x {block_size} tokens = {usable * block_size} "
-          f"tokens; {per_token} B/token = 2*{cfg.n_layers} layers*{cfg.n_kv_heads} kv heads*"
+          f"tokens; {per_token} B/token = 2*{cfg.kv_layers} layers*{cfg.n_kv_heads} kv heads*"
           f"{cfg.head_dim} dims*{value}; {total / 2**20:.1f} MiB allocated")
 
 

@@ -80,7 +80,7 @@ BUGS = [
 
     # ------------------------------------------------------------ kv-cache-bytes (cache.py)
     Bug("kv-cache-bytes", "cache.py", "forgets the factor 2: counts K but not V",
-        "return 2 * cfg.n_layers * cfg.n_kv_heads", "return cfg.n_layers * cfg.n_kv_heads"),
+        "return 2 * cfg.kv_layers * cfg.n_kv_heads", "return cfg.kv_layers * cfg.n_kv_heads"),
     Bug("kv-cache-bytes", "cache.py", "counts query heads instead of KV heads (no GQA saving)",
         "cfg.n_kv_heads * cfg.head_dim * bytes_per_value", "cfg.n_heads * cfg.head_dim * bytes_per_value"),
     Bug("kv-cache-bytes", "cache.py", "bits instead of bytes per value",

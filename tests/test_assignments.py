@@ -188,7 +188,7 @@ CATALOG = '''
 from mutants import Bug
 BUGS = [
     Bug("kv-cache-bytes", "cache.py", "forgets the factor 2",
-        "return 2 * cfg.n_layers * cfg.n_kv_heads", "return cfg.n_layers * cfg.n_kv_heads"),
+        "return 2 * cfg.kv_layers * cfg.n_kv_heads", "return cfg.kv_layers * cfg.n_kv_heads"),
     Bug("kv-cache-bytes", "cache.py", "rewords a docstring",
         "How many blocks of `block_size` tokens fit in `budget_bytes`.", "Blocks that fit."),
     Bug("kv-cache-bytes", "cache.py", "patches code that is not there", "return 3 * cfg.n_layers", "return 0"),

@@ -86,11 +86,14 @@ def results(run):
 # -- the lecture's formulas, written out here from the model's shapes ------------------------------
 
 def linear_shapes(c):
-    """(out, in) of every linear layer of a Llama, the LM head included."""
+    """(out, in) of every linear layer of a Llama, the LM head included; with cross-layer attention
+    (cla_share S) only the first layer of each S has k and v projections."""
     kv = c.n_kv_heads * c.head_dim
-    per_layer = [(c.n_heads * c.head_dim, c.dim), (kv, c.dim), (kv, c.dim),
-                 (c.dim, c.n_heads * c.head_dim), (c.ffn_dim, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim)]
-    return per_layer * c.n_layers + [(c.vocab_size, c.dim)]
+    shapes = []
+    for i in range(c.n_layers):
+        shapes += [(c.n_heads * c.head_dim, c.dim)] + [(kv, c.dim), (kv, c.dim)] * (i % c.cla_share == 0)
+        shapes += [(c.dim, c.n_heads * c.head_dim), (c.ffn_dim, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim)]
+    return shapes + [(c.vocab_size, c.dim)]
 
 
 def norm_values(c):
@@ -104,7 +107,8 @@ def weight_bytes(c, bytes_per_value):
 
 
 def kv_bytes_per_token(c, bytes_per_value, world_size=1):
-    return 2 * c.n_layers * (c.n_kv_heads // world_size) * c.head_dim * bytes_per_value
+    kv_layers = -(-c.n_layers // c.cla_share)                 # CLA: one K/V layer per S layers
+    return 2 * kv_layers * (c.n_kv_heads // world_size) * c.head_dim * bytes_per_value
 
 
 def flops_per_token(c, context):
@@ -135,7 +139,8 @@ def test_meta_and_every_experiment_present(run, results):
     # kv-compression changes the KV-head count and the window: "random:" presets of one body, said so
     kv = results["kv-compression"]["models"]
     assert kv == {p: "random weights, made-up shapes" for p in [f"random:smollm2-tiny:kv_heads={n}" for n in (4, 2, 1)]
-                  + ["random:smollm2-tiny", "random:smollm2-tiny:sliding_window=32"]}, kv
+                  + ["random:smollm2-tiny:kv_heads=2:cla_share=2", "random:smollm2-tiny",
+                     "random:smollm2-tiny:sliding_window=32"]}, kv
     assert results["overhead"]["models"][common.TINY_MODEL] == "random weights, made-up shapes"
 
 
@@ -394,21 +399,25 @@ def test_kv_compression_bytes_per_token_and_the_batch_that_fits(results):
     from model import read_config
     r = results["kv-compression"]
     lec, C = {x["name"]: x for x in r["lecture"]}, r["lecture_context"]
-    assert [(n, x["kv_heads"]) for n, x in lec.items()] == [("MHA", 32), ("GQA-8", 8), ("MQA", 1)]
+    assert [(n, x["kv_heads"], x["cla_share"]) for n, x in lec.items()] == \
+        [("MHA", 32, 1), ("GQA-8", 8, 1), ("MQA", 1, 1), ("GQA-8 + CLA-2", 8, 2)]
     cfg = read_config("random:llama-3.2-1b")
     assert (r["lecture_batch"], C, r["block_size"]) == (4, 128, 16)
     assert r["lecture_budget_bytes"] == kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=32), 4) * 4 * 128
     for x in lec.values():
-        per_token = kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=x["kv_heads"]), 4)
+        per_token = kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=x["kv_heads"], cla_share=x["cla_share"]), 4)
         assert x["kv_bytes_per_token"] == x["pool_bytes_per_token"] == per_token, x
         assert x["pool_bytes"] == x["pool_tokens"] * per_token and x["pool_tokens"] == x["pool_blocks"] * 16
         assert x["pool_blocks"] == r["lecture_budget_bytes"] // (per_token * 16)
         assert x["fit_batch"] == x["pool_blocks"] // math.ceil(C / 16), "a sequence of C tokens holds ceil(C/16)"
     assert lec["MHA"]["kv_bytes_per_token"] / lec["GQA-8"]["kv_bytes_per_token"] == 4.0
     assert lec["GQA-8"]["kv_bytes_per_token"] / lec["MQA"]["kv_bytes_per_token"] == 8.0
-    m, g, q = (lec[n]["fit_batch"] for n in ("MHA", "GQA-8", "MQA"))
+    assert lec["GQA-8"]["kv_bytes_per_token"] / lec["GQA-8 + CLA-2"]["kv_bytes_per_token"] == 2.0, \
+        "CLA-2: pairs of layers share one K/V layer, half the bytes per token"
+    m, g, q, c = (lec[n]["fit_batch"] for n in ("MHA", "GQA-8", "MQA", "GQA-8 + CLA-2"))
     assert m == 4 and 4 * m <= g < 4 * (m + 1) and 8 * g <= q < 8 * (g + 1)
-    assert [x["bytes_vs_mha"] for x in lec.values()] == [1.0, 4.0, 32.0]
+    assert 2 * g <= c < 2 * (g + 1), "CLA-2 holds twice GQA-8's batch in the same budget"
+    assert [x["bytes_vs_mha"] for x in lec.values()] == [1.0, 4.0, 32.0, 8.0]
 
 
 @pytest.mark.timeout(600)
@@ -423,11 +432,12 @@ def test_kv_compression_timed_variants(results):
     cfg, B, ctx = read_config("random:smollm2-tiny"), r["batch"], r["timed_context"]
     assert r["timed_preset"] == "smollm2-tiny" and (B, r["context"]) == (4, 1024)
     assert ctx == r["context"] - r["steps"] - 8
-    assert [(x["name"], x["kv_heads"], x["fit_batch"]) for x in r["timed"]] == [("MHA", 4, 4), ("GQA-2", 2, 8),
-                                                                                ("MQA", 1, 16)]
+    assert [(x["name"], x["kv_heads"], x["fit_batch"]) for x in r["timed"]] == \
+        [("MHA", 4, 4), ("GQA-2", 2, 8), ("MQA", 1, 16), ("GQA-2 + CLA-2", 2, 16)]
     for x in r["timed"]:
-        c = dataclasses.replace(cfg, n_kv_heads=x["kv_heads"])
-        assert x["model"] == f"random:smollm2-tiny:kv_heads={x['kv_heads']}"
+        c = dataclasses.replace(cfg, n_kv_heads=x["kv_heads"], cla_share=x["cla_share"])
+        cla = f":cla_share={x['cla_share']}" if x["cla_share"] > 1 else ""
+        assert x["model"] == f"random:smollm2-tiny:kv_heads={x['kv_heads']}{cla}"
         assert x["kv_bytes_per_token"] == x["pool_bytes_per_token"] == kv_bytes_per_token(c, 4)
         assert x["weight_bytes"] == weight_bytes(c, 4)
         kv = kv_bytes_per_token(c, 4) * ctx * B
@@ -1120,7 +1130,8 @@ def test_kv_compression_builds_one_variant_at_a_time():
     each phase of the plan holds one engine, and the bench builds each after freeing the last."""
     phases = EXPERIMENTS["kv-compression"].plan(Scale(True, False, "random:llama-3.1-8b", default_model_path()))
     assert [len(ph.engines) for ph in phases] == [1] * len(phases) and len(phases) == 3 + 2
-    assert [ph.engines[0]["path"].split(":")[-1] for ph in phases[:3]] == ["kv_heads=32", "kv_heads=8", "kv_heads=1"]
+    assert [ph.engines[0]["path"].split(":", 2)[-1] for ph in phases[:3]] == ["kv_heads=32", "kv_heads=8", "kv_heads=1"], \
+        "a GPU times MHA, GQA-8 and MQA (CLA-2 is counted in the lecture rows, not timed)"
     assert all(ph.engines[0].get("share", True) for ph in phases), "shared: building the next frees the last"
 
 

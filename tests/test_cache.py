@@ -1006,3 +1006,38 @@ def test_more_misuse_fails_loudly_and_changes_nothing():
     assert bm.tables == {1: [0], 2: [1]} and bm.ref_count == [1, 1], "a refused fork must change nothing"
     with pytest.raises(RuntimeError, match="out of blocks"):
         bm._take_free()
+
+
+# ---- cross-layer attention (CLA): a way to count bytes per token
+
+@pytest.mark.needs("engine", "sliding-window")
+def test_cross_layer_attention_caches_one_layer_in_s_and_stays_exact():
+    """random:<preset>:cla_share=2: the second layer of each pair has q alone and reads the first
+    one's K/V; the pool holds half the layers (half the bytes per token, exactly, and twice the
+    tokens in the same budget); the paged engine (chunked prefill, prefix cache, a pool small
+    enough to preempt) gives the dense CLA model's greedy tokens (the compiled step:
+    test_graphs.py's aot_eager test); options out of range are refused by name."""
+    from helpers import assert_no_leak, run_staggered
+
+    from engine import LLM
+    from model import generate, load_model
+    from sampler import SamplingParams
+    model, cfg = load_model("random:smollm2-tiny:cla_share=2")
+    plain, plain_cfg = load_model("random:smollm2-tiny")
+    assert (cfg.kv_layers, plain_cfg.kv_layers) == (1, 2), "S = 2: one K/V layer per two layers"
+    assert model.layers[1].self_attn.qkv_proj.weight.shape[0] == cfg.n_heads * cfg.head_dim, "a sharing layer: q only"
+    assert 2 * kv_cache_bytes(cfg, torch.float32) == kv_cache_bytes(plain_cfg, torch.float32), "half the bytes per token"
+    prompts = [[5, 6, 7, 8] * 4, list(range(100, 130)), [42] * 7, [9, 8, 7, 6, 5]]
+    dense = [generate(model, p, 16) for p in prompts]
+    assert dense != [generate(plain, p, 16) for p in prompts], "sharing K/V must change what the model computes"
+    params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(prompts)
+    llm = LLM("random:smollm2-tiny:cla_share=2", kv_cache_bytes=14 * 4 * 256, block_size=4, max_num_seqs=3,
+              max_num_batched_tokens=8)
+    assert run_staggered(llm, prompts, params) == dense, "the paged CLA engine differs from the dense model"
+    assert llm.scheduler.num_preemptions > 0, "the pool was meant to preempt"
+    assert_no_leak(llm)
+    same = dict(kv_cache_bytes=1 << 16, block_size=16)
+    assert LLM("random:smollm2-tiny:cla_share=2", **same).block_manager.num_blocks == \
+        2 * LLM("random:smollm2-tiny", **same).block_manager.num_blocks, "twice the tokens in the same budget"
+    with pytest.raises(ValueError, match="cla_share"):
+        read_config("random:smollm2-tiny:cla_share=0")

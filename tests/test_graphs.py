@@ -303,16 +303,18 @@ def _decoder(model, query_sizes=(1,), warm=True, max_rows=4):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("cla_share", [1, 2])
 @pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
-def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch):
+def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch, cla_share):
     """The compiled step is right by the declared semantics of its ops, not by an inductor
     pass: with backend="aot_eager" (AOTAutograd's functionalization, no re-inplacing), every
     step of a 2-layer model equals the eager step and leaves the same cache. (Writing into a
     view OF a graph input, cache.write(0, ...) on a layer's [1, ...] view, lost the K/V of
-    every layer but the first: AOTAutograd rebuilt that view from layer 0's storage offset.)"""
+    every layer but the first: AOTAutograd rebuilt that view from layer 0's storage offset.)
+    cla_share=2: the second layer writes nothing and reads the first one's cache layer."""
     import graphs
     monkeypatch.setattr(graphs, "BACKEND", "aot_eager")
-    model = tiny_model(seed=11)
+    model = tiny_model(seed=11, cla_share=cla_share)
     make = _decoder(model, warm=False, max_rows=32)
     _sim_compare(model, KVCache, _sim_script(0, 4, 1, 8, chunk=6), make)
     assert make.decoder.row_steps > 0, "the script must hold mixed steps"

@@ -19,7 +19,7 @@ The rest tests the plumbing behind load_model, given to students
     STRICT: the weights hold exactly the tensors the config implies, or one
     error lists every difference; ModelConfig.from_hf checks each field's
     type and range and names the field it refuses;
-  * "random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W]": the published shapes and parameter counts
+  * "random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W][:cla_share=S]": the published shapes and parameter counts
     of SmolLM2-135M and Llama 3.x 1B-70B with seeded random weights made on
     the target device, scaled so activations stay finite through every
     layer and the logits are not flat;
