@@ -44,7 +44,11 @@ from support.checks import check_positive_ints
 # --- Memory accounting: the lecture's formula, used to size the pool ----------
 def kv_cache_bytes(cfg, dtype, num_tokens: int = 1) -> int:
     """2 * layers * kv_heads * head_dim * bytes_per_value * tokens, the layers those that hold
-    K/V: cfg.kv_layers (every layer; 1 in S with cross-layer attention, cfg.cla_share = S)."""
+    K/V: cfg.kv_layers (every layer; 1 in S with cross-layer attention, cfg.cla_share = S).
+    MLA (cfg.kv_lora_rank = r): layers * (r + R) * bytes_per_value * tokens, no factor 2."""
+    if cfg.kv_lora_rank:            # one latent and one shared RoPE key: K and V of all heads
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return cfg.kv_layers * latent * (torch.finfo(dtype).bits // 8) * num_tokens
     # assignment: kv-cache-bytes
     bytes_per_value = torch.finfo(dtype).bits // 8
     return 2 * cfg.kv_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_value * num_tokens
@@ -64,16 +68,20 @@ class KVCache:
     """K and V of every layer: [layers, num_blocks, block_size, n_kv_heads, head_dim]. A token's
     slot, block_id * block_size + offset, is a row of a layer's pool viewed as [slots, n_kv, d]."""
     storage_dtype = None       # K, V in the model's dtype (Int8KVCache: int8; blocks() gives dtype)
+    triton_decode = True       # kernels.paged_decode reads this layout (int8, MLA: not yet)
 
     def __init__(self, cfg, num_blocks: int, block_size: int, device, dtype):
         if num_blocks < 1:
             raise ValueError("the KV cache budget is too small for a single block")
-        shape = (cfg.kv_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=self.storage_dtype or dtype)
-        self.v = torch.zeros_like(self.k)
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.sliding_window = cfg.sliding_window   # Mistral's W or None: attention masks by it
         self.bytes_per_token = kv_cache_bytes(cfg, dtype)
+        self.allocate(cfg, device, self.storage_dtype or dtype)
+
+    def allocate(self, cfg, device, dtype):
+        shape = (cfg.kv_layers, self.num_blocks, self.block_size, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
 
     def pools(self) -> list[torch.Tensor]:
         """K, V (and an int8 cache's scales): each [layers, num_blocks, block_size, ...]."""
@@ -99,6 +107,31 @@ class KVCache:
             t[:, dst] = t[:, src]
 
 
+class LatentCache(KVCache):
+    """MLA's cache (model.LatentAttention): ONE vector per token and layer, [normed latent c (r
+    values) ; rotated shared key k_R (R)], a single KV head of r + R values: K is all of it, V its
+    first r values, a view. One pool, no factor 2: [layers, blocks, block_size, 1, r + R]."""
+    triton_decode = False
+
+    def allocate(self, cfg, device, dtype):
+        self.r = cfg.kv_lora_rank
+        shape = (cfg.kv_layers, self.num_blocks, self.block_size, 1, self.r + cfg.qk_rope_head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+
+    def write(self, layer: int, slots, k, v):     # k [N, 1, r + R] (v None: it is part of k)
+        store_rows(self.k[layer], slots, k)
+
+    def blocks(self, layer: int, block_ids):      # one gather for K and V: [*S, bs, 1, r + R], r
+        k = self.k[layer][block_ids]
+        return k, k[..., :self.r]
+
+
+def new_kv_cache(cfg, num_blocks: int, block_size: int, device, dtype) -> KVCache:
+    """The pool cfg's attention reads: MLA's latents, or K and V."""
+    kind = LatentCache if cfg.kv_lora_rank else KVCache
+    return kind(cfg, num_blocks, block_size, device, dtype)
+
+
 # KVCache.write's in-place write, a custom op that declares what it mutates: torch.compile
 # (graphs.py) functionalizes in-place updates, so a bare index_copy_ would copy the whole pool.
 @torch.library.custom_op("nanoinfer::store_rows", mutates_args=("dst",))
@@ -111,22 +144,23 @@ store_rows.register_fake(lambda dst, slots, src: None)   # for the compiler: it 
 
 
 # --- Reference paged attention -------------------------------------------------
-def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query_lens):
+def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query_lens,
+                    scale: float | None = None):
     """Each sequence's new queries attend over its own paged KV. q: [N, H, d], the B sequences'
     queries end to end: sequence b owns the LAST query_lens[b] of its seq_lens[b] tokens (all
     cached). Query i of b sits at p = seq_lens[b] - query_lens[b] + i and sees 0..p (p-W+1..p
-    with a sliding window: the null blocks before, masked). A loop; kernels.py vectorizes it."""
+    with a sliding window: the null blocks before, masked). Returns [N, H, dv] (dv: V's width,
+    d but for MLA's latent); scores times scale (None: 1/sqrt(d)). A loop; kernels.py vectorizes."""
     # assignment: paged-attention
     N, H, d = q.shape
-    n_kv = cache.k.shape[-2]
-    out = torch.empty_like(q)
-    start = 0
+    n_kv, scale = cache.k.shape[-2], d ** -0.5 if scale is None else scale
+    outs, start = [], 0
     for b, (seq_len, n_q) in enumerate(zip(seq_lens, query_lens)):
         n_blocks = math.ceil(seq_len / cache.block_size)
         k, v = cache.blocks(layer, block_tables[b, :n_blocks])    # [n_blocks, bs, n_kv, d]
         k, v = k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]           # [T, n_kv, d]
         qg = q[start:start + n_q].view(n_q, n_kv, H // n_kv, d)              # [n_q, n_kv, G, d]
-        scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float()) / math.sqrt(d)
+        scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float()) * scale
         # scores: [n_kv, G, n_q, T]
         q_pos = torch.arange(seq_len - n_q, seq_len, device=q.device)
         visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]    # [n_q, T]
@@ -134,10 +168,10 @@ def paged_attention(q, cache: KVCache, layer: int, block_tables, seq_lens, query
             k_pos = torch.arange(seq_len, device=q.device)
             visible &= in_window(q_pos, k_pos, cache.sliding_window)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        o = torch.einsum("hgqk,khd->qhgd", probs, v.float())                 # [n_q, n_kv, G, d]
-        out[start:start + n_q] = o.reshape(n_q, H, d).to(q.dtype)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v.float())                # [n_q, n_kv, G, dv]
+        outs.append(o.reshape(n_q, H, -1).to(q.dtype))
         start += n_q
-    return out
+    return torch.cat(outs)
     # end assignment
 
 
@@ -159,11 +193,11 @@ class AttentionContext:
     query_lens: list                   # [B] new tokens in this step
     logits_indices: torch.Tensor | None = None   # [R] rows that need logits (None: all)
 
-    def attend(self, layer: int, q, k, v):
+    def attend(self, layer: int, q, k, v, scale: float | None = None):
         if k is not None:                                   # CLA: a sharing layer only reads
             self.cache.write(layer, self.slot_mapping, k, v)   # write first: a token sees itself
         return paged_attention(q, self.cache, layer, self.block_tables, self.seq_lens,
-                               self.query_lens)
+                               self.query_lens, scale)
 
     @classmethod
     def build(cls, cache: KVCache, block_manager: "BlockManager", work, logits_rows, device):

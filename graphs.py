@@ -217,7 +217,7 @@ class LayerContext:
         self.cache, self.slot_mapping = cache, slot_mapping
         self.block_tables, self.q_pos = block_tables, q_pos
 
-    def attend(self, layer: int, q, k, v):  # pragma: no cover (runs only in torch.compile's trace)
+    def attend(self, layer: int, q, k, v, scale=None):  # pragma: no cover (torch.compile's trace)
         # Write first (a token sees itself) into the layer's whole [1, ...] pool (`:`, not 0): the
         # graph INPUT the op mutates. AOTAutograd rebuilds a mutated view OF an input from the
         # offset seen in tracing (layer 0's), unguarded: other layers' writes would hit a copy.
@@ -225,13 +225,13 @@ class LayerContext:
             self.cache.write(slice(None), self.slot_mapping, k, v)
         B, Q = self.q_pos.shape
         q = q.view(B, Q, *q.shape[1:])
-        # CUDA, Triton, an unquantized cache: one kernel
-        if q.device.type == "cuda" and triton is not None and self.cache.storage_dtype is None:
+        # CUDA, Triton, a cache the kernel reads (not int8, not MLA's latents): one kernel
+        if q.device.type == "cuda" and triton is not None and self.cache.triton_decode:
             out = paged_decode(q, self.cache.k, self.cache.v, self.block_tables, self.q_pos,
                                self.cache.sliding_window or 0)
         else:
-            out = paged_attention_in_place(q, self.cache, 0, self.block_tables, self.q_pos)
-        return out.flatten(0, 1)                                       # [B*Q, H, d]
+            out = paged_attention_in_place(q, self.cache, 0, self.block_tables, self.q_pos, scale)
+        return out.flatten(0, 1)                                       # [B*Q, H, dv]
 
 
 def _block(block, x, cos, sin, ctx):  # pragma: no cover (compiled: torch.compile's region, a block)

@@ -42,21 +42,23 @@ def on_cuda(device) -> bool:
 
 
 # --- Batched paged attention: a group of sequences at once ---------------------
-def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_lens=None):
+def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_lens=None,
+                            scale=None):
     """B sequences, up to Q new queries each, attend at once. q: [B, Q, H, d] (real queries
     first), block_tables [B, W], seq_lens [B] (tokens in cache, new ones included), query_lens [B]
     real queries (None: all Q). Query i of b sits at position p = seq_lens[b] - query_lens[b] + i
     and sees keys 0..p (p-W+1..p, W = cache.sliding_window); a padded query gets the last real
     position (a finite softmax, dropped by the caller). Keys past seq_lens are masked: tables may
-    be padded with any valid block id. Returns [B, Q, H, d]: cache.py's masked softmax(q k^T /
-    sqrt(d)) v in PyTorch's fused attention (enable_gqa: query head h reads KV head h // G without
-    a copy of K, V per head; CUDA: grouped_attention)."""
+    be padded with any valid block id. Returns [B, Q, H, dv]: cache.py's masked softmax(q k^T *
+    scale) v in PyTorch's fused attention (enable_gqa: query head h reads KV head h // G without
+    a copy of K, V per head; on CUDA, or when V is narrower than K (MLA), SDPA has no fused kernel
+    for it and would expand K, V per head: grouped_attention)."""
     # assignment: decode-attention
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                  # [B, W, bs, n_kv, d]: one gather
     n_kv, T = k.shape[-2], block_tables.shape[1] * k.shape[2]
-    # k, v: [B, n_kv, T, d]
-    k, v = k.view(B, T, n_kv, d).transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)
+    # k, v: [B, n_kv, T, d] (v: dv)
+    k, v = (t.view(B, T, n_kv, t.shape[-1]).transpose(1, 2) for t in (k, v))
     i = torch.arange(Q, device=q.device)
     if query_lens is None:
         q_pos = seq_lens[:, None] - Q + i                                        # [B, Q]
@@ -66,14 +68,16 @@ def batched_paged_attention(q, cache, layer: int, block_tables, seq_lens, query_
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
     if cache.sliding_window:            # Mistral: last W only, k > q-W (model.in_window): band mask
         visible &= torch.arange(T, device=q.device) > q_pos[:, :, None] - cache.sliding_window
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None],
-                                         enable_gqa=True) if not on_cuda(q.device) else \
-        grouped_attention(q, k, v, visible)      # CUDA: a mask AND enable_gqa reach no fused kernel
-    return out.transpose(1, 2)                                        # [B, H, Q, d] -> [B, Q, H, d]
+    if on_cuda(q.device) or v.shape[-1] != d:   # CUDA, or MLA's dv != d: no fused kernel takes it
+        out = grouped_attention(q, k, v, visible, scale)
+    else:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None],
+                                             enable_gqa=True, scale=scale)
+    return out.transpose(1, 2)                                      # [B, H, Q, dv] -> [B, Q, H, dv]
     # end assignment
 
 
-def grouped_attention(q, k, v, visible):
+def grouped_attention(q, k, v, visible, scale=None):
     """batched_paged_attention's SDPA on CUDA, where flash refuses a mask and (torch 2.11) the
     memory-efficient kernel unequal head counts: with both, SDPA silently runs its math backend and
     writes every score to memory. So the G query heads of a KV head become G queries of it: equal
@@ -83,8 +87,8 @@ def grouped_attention(q, k, v, visible):
     mask = visible.repeat_interleave(G, dim=1)[:, None]                             # [B, 1, Q*G, T]
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     with sdpa_kernel(fused) if STRICT_SDPA else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)           # [B, n_kv, Q*G, d]
-    return out.view(B, -1, Q, G, d).permute(0, 1, 3, 2, 4).reshape(B, H, Q, d)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [.., Q*G, dv]
+    return out.view(B, -1, Q, G, v.shape[-1]).permute(0, 1, 3, 2, 4).reshape(B, H, Q, -1)
 
 
 @dataclass
@@ -108,25 +112,26 @@ class StepContext:
         self.cache, self.slot_mapping, self.groups = cache, slot_mapping, groups
         self.logits_indices = logits_indices      # rows that need logits (None: all)
 
-    def attend(self, layer: int, q, k, v):
+    def attend(self, layer: int, q, k, v, scale=None):
         if k is not None:                                        # CLA: a sharing layer only reads
             self.cache.write(layer, self.slot_mapping, k, v)     # write first: a token sees itself
         N, H, d = q.shape
         if len(self.groups) == 1 and self.groups[0].index is None:   # decode: no gather, no scatter
             g, B = self.groups[0], self.groups[0].block_tables.shape[0]
             return batched_paged_attention(q.view(B, -1, H, d), self.cache, layer, g.block_tables,
-                                           g.seq_lens, g.query_lens).reshape(N, H, d)
+                                           g.seq_lens, g.query_lens, scale).reshape(N, H, -1)
         qx = torch.cat([q, q.new_zeros(1, H, d)])       # row N: where padded queries read and write
-        out = torch.empty_like(qx)
-        for g in self.groups:                                  # a few length classes, not sequences
-            o = batched_paged_attention(qx[g.index], self.cache, layer, g.block_tables, g.seq_lens,
-                                        g.query_lens)            # [Bg, Q, H, d]
-            out[g.index.flatten()] = o.flatten(0, 1)
+        outs = [(g.index.flatten(), batched_paged_attention(  # a few length classes, not sequences
+            qx[g.index], self.cache, layer, g.block_tables, g.seq_lens, g.query_lens, scale))
+            for g in self.groups]                                              # [Bg, Q, H, dv]
+        out = q.new_empty(N + 1, H, outs[0][1].shape[-1])
+        for index, o in outs:
+            out[index] = o.flatten(0, 1)
         return out[:N]
 
 
 # --- The compiled path's attention: the paged cache read where it lies --------
-def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
+def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos, scale=None):
     """batched_paged_attention's function for torch.compile, in float32. q [B, Q, H, d],
     block_tables [B, W], q_pos [B, Q]: each query's position; it sees keys 0..q_pos (a window: the
     last W). Why: SDPA takes K, V as tensors, so batched_paged_attention first COPIES the blocks
@@ -137,10 +142,10 @@ def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
     B, Q, H, d = q.shape
     k, v = cache.blocks(layer, block_tables)                      # [B, W, bs, n_kv, d]: fused loads
     n_kv, T = k.shape[3], k.shape[1] * k.shape[2]
-    k, v = (t.reshape(B, 1, T, n_kv, 1, d).float() for t in (k, v))
+    k, v = (t.reshape(B, 1, T, n_kv, 1, t.shape[-1]).float() for t in (k, v))   # v: dv wide
     qg = q.reshape(B, Q, 1, n_kv, H // n_kv, d).float()          # GQA: G query heads per KV head
     # G innermost: the G heads sharing a K row are neighbours, so the row is loaded once.
-    scores = (qg * k).sum(-1) / math.sqrt(d)                     # [B, Q, T, n_kv, G]
+    scores = (qg * k).sum(-1) * (d ** -0.5 if scale is None else scale)   # [B, Q, T, n_kv, G]
     visible = torch.arange(T, device=q.device)[None, None, :] <= q_pos[:, :, None]   # [B, Q, T]
     if cache.sliding_window:                           # Mistral's window (an int: a trace constant)
         visible &= torch.arange(T, device=q.device) > q_pos[:, :, None] - cache.sliding_window
@@ -148,8 +153,8 @@ def paged_attention_in_place(q, cache, layer: int, block_tables, q_pos):
     p = scores.masked_fill(~visible, float("-inf")).softmax(dim=2)
     # Masked keys weigh exactly 0, but 0 * NaN is NaN: a block past a sequence's end
     # may hold anything (padding, a stale block), so its values are zeroed, not trusted.
-    out = torch.where(visible[..., None], p[..., None] * v, 0.0).sum(2)         # [B, Q, n_kv, G, d]
-    return out.reshape(B, Q, H, d).to(q.dtype)
+    out = torch.where(visible[..., None], p[..., None] * v, 0.0).sum(2)        # [B, Q, n_kv, G, dv]
+    return out.reshape(B, Q, H, -1).to(q.dtype)
 
 
 # --- On CUDA, the same function as ONE Triton kernel: flash-decoding over pages -------

@@ -53,6 +53,13 @@ class ModelConfig:
     random_seed: int | None = None  # set by "random:" presets: the weights are random, not trained
     sliding_window: int | None = None  # Mistral's W: a query sees its last W positions (None: all)
     cla_share: int = 1              # cross-layer attention: S consecutive layers share one K/V
+    # Multi-head latent attention (DeepSeek-V2; LatentAttention), on when kv_lora_rank > 0.
+    # Hugging Face's names; head_dim is then qk_rope_head_dim (what RoPE rotates), n_kv_heads 1.
+    kv_lora_rank: int = 0           # r: the latent each token's K and V are made from
+    qk_rope_head_dim: int = 0       # R: the RoPE part of each query head and of the ONE shared key
+    qk_nope_head_dim: int = 0       # each query/key head's part without RoPE
+    v_head_dim: int = 0             # each value head
+    q_lora_rank: int | None = None  # queries through a low-rank bottleneck too (None: q_proj)
 
     @property
     def kv_layers(self) -> int:
@@ -118,6 +125,15 @@ def apply_rope(x, cos, sin):
     # end assignment
 
 
+def apply_rope_pairs(x, cos, sin):
+    """apply_rope with DeepSeek's pairing: (x[2i], x[2i+1]) rotate together (Hugging Face's
+    complex multiply): the same rotations, of other pairs of dims. So: evens, then odds, rotate
+    as halves, interleave back."""
+    d = x.shape[-1]
+    halves = x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).flatten(-2)      # [x0 x2 .. x1 x3 ..]
+    return apply_rope(halves, cos, sin).unflatten(-1, (2, d // 2)).transpose(-1, -2).flatten(-2)
+
+
 def in_window(q_pos, k_pos, window: int):
     """Sliding window (Mistral, Hugging Face's mask): the query at position q sees key position k
     iff q - W < k, its last W positions. q_pos [n_q], k_pos [T] -> [n_q, T] bool (not causal)."""
@@ -126,24 +142,25 @@ def in_window(q_pos, k_pos, window: int):
     # end assignment
 
 
-def dense_causal_attention(q, k, v, window: int | None = None):
+def dense_causal_attention(q, k, v, window: int | None = None, scale: float | None = None):
     """Plain causal softmax attention over one sequence (a window: in_window too). q: [N, H, d],
-    k and v: [N, n_kv, d] -> [N, H, d]. GQA by grouping: the H query heads are n_kv groups of
-    G = H // n_kv heads sharing one K/V head; reshape q, never copy k/v (what GQA avoids)."""
+    k: [N, n_kv, d], v: [N, n_kv, dv] -> [N, H, dv]; scores times scale (None: 1/sqrt(d)). GQA by
+    grouping: the H query heads are n_kv groups of G = H // n_kv heads sharing one K/V head;
+    reshape q, never copy k/v (what GQA avoids)."""
     # assignment: gqa-attention
     N, H, d = q.shape
     n_kv = k.shape[1]
     qg = q.view(N, n_kv, H // n_kv, d)                               # [N, n_kv, G, d]
-    scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float())   # [n_kv, G, N, N]
-    scores = scores / math.sqrt(d)
+    scale = d ** -0.5 if scale is None else scale          # 1/sqrt(d): scores of unit variance
+    scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float()) * scale   # [n_kv, G, N, N]
     causal = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()
     if window:                                                      # and only the last W: j > i - W
         causal &= in_window(torch.arange(N, device=q.device), torch.arange(N, device=q.device),
                             window)
     scores = scores.masked_fill(~causal, float("-inf"))             # token i sees j <= i
     probs = scores.softmax(dim=-1)
-    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())           # [N, n_kv, G, d]
-    return out.reshape(N, H, d).to(q.dtype)
+    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())           # [N, n_kv, G, dv]
+    return out.reshape(N, H, -1).to(q.dtype)
     # end assignment
 
 
@@ -184,6 +201,73 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(N, self.n_heads * self.head_dim))
 
 
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (MLA, DeepSeek-V2). Every head's K and V are made from ONE
+    latent c = norm(W_DKV x) of r values (r = 512), plus ONE RoPE key k_R of R values (64)
+    that all heads share. The cache holds c and k_R: r + R = 576 values per token and layer,
+    against MHA's 2 H d = 8,192 at 32 heads of 128 (14x fewer; GQA-8: 2,048). Head h's
+        k_h = [W_UK,h c ; k_R],   v_h = W_UV,h c       (W_UK,h, W_UV,h: head h's rows of kv_b_proj)
+    Why RoPE stays apart: a rotation between W_UK and c depends on the position, so W_UK could
+    not be folded into the query (absorbed, below); only k_R rotates, and c is position-free.
+    The dense path (ctx None) expands K, V per head: the reference. The paged path never does."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.window, self.n_heads = layer_idx, cfg.sliding_window, cfg.n_heads
+        self.kv_layer, self.writes_kv = layer_idx, True       # (no CLA with MLA: support/checks)
+        H, D, b, self.q_lora = cfg.n_heads, cfg.dim, cfg.attention_bias, cfg.q_lora_rank
+        self.r, self.R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.nope, self.dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.scale = (self.nope + self.R) ** -0.5       # the heads' own width, not the latent's
+        q_rows = H * (self.nope + self.R)
+        if self.q_lora is None:
+            self.q_proj = nn.Linear(D, q_rows, bias=False)
+        else:                                 # DeepSeek-V2 (not Lite): a low-rank query too
+            self.q_a_proj = nn.Linear(D, self.q_lora, bias=b)
+            self.q_a_layernorm = RMSNorm(self.q_lora, 1e-6)     # Hugging Face: eps 1e-6, always
+            self.q_b_proj = nn.Linear(self.q_lora, q_rows, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.r + self.R, bias=b)       # W_DKV and W_KR
+        self.kv_a_layernorm = RMSNorm(self.r, 1e-6)
+        self.kv_b_proj = nn.Linear(self.r, H * (self.nope + self.dv), bias=False)  # [W_UK; W_UV]
+        self.o_proj = nn.Linear(H * self.dv, D, bias=b)
+
+    def forward(self, x, cos, sin, ctx):
+        N, H = x.shape[0], self.n_heads
+        q = self.q_proj(x) if self.q_lora is None else \
+            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(N, H, -1).split([self.nope, self.R], dim=-1)   # [N, H, nope], R
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.r, self.R], dim=-1)  # [N, r], [N, R]
+        c = self.kv_a_layernorm(c)
+        q_rope = apply_rope_pairs(q_rope, cos, sin)                            # [N, H, R]
+        k_rope = apply_rope_pairs(k_rope[:, None], cos, sin)                   # [N, 1, R]
+        if ctx is None:                     # naive: K, V for every head, then plain attention
+            k_nope, v = self.kv_b_proj(c).view(N, H, -1).split([self.nope, self.dv], dim=-1)
+            k = torch.cat([k_nope, k_rope.expand(N, H, self.R)], dim=-1)      # [N, H, nope + R]
+            out = dense_causal_attention(torch.cat([q_nope, q_rope], dim=-1), k, v, self.window,
+                                         self.scale)                           # [N, H, dv]
+        else:
+            out = self.absorbed(q_nope, q_rope, c, k_rope, ctx)
+        return self.o_proj(out.reshape(N, H * self.dv))
+
+    def absorbed(self, q_nope, q_rope, c, k_rope, ctx):
+        """Attention over the paged latents, never expanded (DeepSeek's "absorb"):
+            q_h . k_h,t = (W_UK,h^T q_h) . c_t + q_R,h . k_R,t       (W_UK folded into the query)
+            sum_t p_t v_h,t = W_UV,h (sum_t p_t c_t)            (W_UV after the weighted sum)
+        so it is MQA: H queries of r + R values, ONE KV head [c ; k_R] written per token, V its
+        first r values, scale 1/sqrt(nope + R). q_nope [N, H, nope], q_rope [N, H, R], c [N, r],
+        k_rope [N, 1, R] -> [N, H, dv]. Per cached token it reads r + R values and does ~2H(2r + R)
+        FLOPs: ~H FLOPs per byte in bf16, compute-bound at 128 heads (why FlashMLA is). Prefill
+        runs absorbed too (one path, a latent cache); vLLM expands K, V there: fewer FLOPs."""
+        # assignment: mla-absorb
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.n_heads, -1, self.r).split(
+            [self.nope, self.dv], dim=1)                                  # [H, nope, r], [H, dv, r]
+        q = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_uk), q_rope], dim=-1)   # [N, H, r+R]
+        latent = torch.cat([c, k_rope[:, 0]], dim=-1)[:, None]               # [N, 1, r + R]
+        o = ctx.attend(self.kv_layer, q, latent, None, self.scale)   # [N, H, r]: sum_t p_t c_t
+        return torch.einsum("nhr,hvr->nhv", o, w_uv)                           # [N, H, dv]
+        # end assignment
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Two-thirds of the weights live here. gate and up
     read the same x: one linear of their stacked rows, as q/k/v above."""
@@ -204,7 +288,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = (LatentAttention if cfg.kv_lora_rank else Attention)(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
@@ -332,10 +416,12 @@ def load_model(path, device="cpu", dtype=torch.float32):
 
 def fused_rows(cfg: ModelConfig) -> dict:
     """{stacked linear: [(Hugging Face part, its rows), ...]} (FUSED, with this config's sizes).
-    A stacked linear may hold only its first parts (a CLA layer's qkv_proj: q alone)."""
+    A stacked linear may hold only its first parts (a CLA layer's qkv_proj: q alone); MLA's
+    q_proj stands alone."""
     qkv = [cfg.n_heads * cfg.head_dim] + [cfg.n_kv_heads * cfg.head_dim] * 2
     sizes = {"qkv_proj": qkv, "gate_up_proj": [cfg.ffn_dim] * 2}
-    return {name: list(zip(FUSED[name], sizes[name])) for name in FUSED}
+    return {name: list(zip(FUSED[name], sizes[name])) for name in FUSED
+            if not (cfg.kv_lora_rank and name == "qkv_proj")}
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, device="cpu", dtype=torch.float32):

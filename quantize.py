@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cache import KVCache, store_rows
+from cache import KVCache, new_kv_cache, store_rows
 from kernels import INT8_KERNEL_ROWS, int8_matmul
 from support import checks
 from support.gpu import tinygemm_layout, triton
@@ -397,7 +397,9 @@ class Int8KVCache(KVCache):
 
 
 def make_kv_cache(cfg, num_blocks: int, block_size: int, kv_cache_dtype, device, dtype) -> KVCache:
-    """The one place a KV pool is made: the model's dtype (None) or int8."""
-    checks.check_kv_cache_dtype(kv_cache_dtype)
-    kind = Int8KVCache if kv_cache_dtype == "int8" else KVCache
-    return kind(cfg, num_blocks, block_size, device, dtype)
+    """The one place a KV pool is made: the model's dtype (None: K and V, or MLA's latents) or
+    int8."""
+    checks.check_kv_cache_dtype(kv_cache_dtype, cfg)
+    if kv_cache_dtype == "int8":
+        return Int8KVCache(cfg, num_blocks, block_size, device, dtype)
+    return new_kv_cache(cfg, num_blocks, block_size, device, dtype)

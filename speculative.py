@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cache import BlockManager, KVCache, Work
+from cache import BlockManager, Work, new_kv_cache
 from model import load_model
 from support import checks
 from tokenizer import Tokenizer
@@ -132,7 +132,7 @@ class ModelDrafter:
 
     def __init__(self, model, num_blocks: int, block_size: int, device, dtype, make_inputs):
         self.model, self.device = model, device
-        self.cache = KVCache(model.config, num_blocks, block_size, device, dtype)
+        self.cache = new_kv_cache(model.config, num_blocks, block_size, device, dtype)
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.inputs = make_inputs(self.bm)
         self.computed: dict[int, int] = {}                    # seq_id -> tokens in the draft cache

@@ -4,7 +4,8 @@ kv-compression -- at long contexts the cache, not the weights, fills memory and 
 Claim (lecture, chapter 6): KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x
 bytes. MHA caches a K/V pair per query head, GQA one per group, MQA one for all: at the same
 budget fewer KV heads hold proportionally more sequences, and a decode step reads fewer bytes;
-MLA caches a compressed latent. A sliding window (Mistral) bounds what a query sees, so the
+MLA caches one compressed latent (r + R values per token and layer, no factor 2; here r = 4 d,
+R = d / 2, DeepSeek-V2's ratios: 4.5 d against MHA's 2 H d). A sliding window (Mistral) bounds what a query sees, so the
 block manager gives back the blocks behind it: O(window) blocks instead of O(length). Baseline:
 the MHA variant of the same body (`random:<preset>:kv_heads=N`: every other tensor the same),
 in the same run, one variant at a time; and full attention for the window.
@@ -32,7 +33,8 @@ WORKLOAD = {
     "cpu": dict(body="smollm2-135m", batch=4, context=1024, steps=10, window=64, tokens=1024, lecture=(4, 1024)),
     "cpu-quick": dict(body="smollm2-tiny", batch=4, context=1024, steps=8, window=32, tokens=128, lecture=(4, 128)),
     "gpu": dict(body=LECTURE_PRESET, batch=8, context=4096, steps=10, window=64, tokens=1024, lecture=(8, 4096),
-                variants=("MHA", "GQA-8", "MQA")),   # CLA: counted in the lecture rows, not timed (the run's limit)
+                variants=("MHA", "GQA-8", "MLA")),   # MQA, CLA: counted in the lecture rows, not timed (the
+                                                     # run's limit); these three: issue 48's ranking by KV bytes
     "gpu-quick": dict(body=LECTURE_PRESET, batch=8, context=4096, steps=5, window=64, tokens=1024, lecture=(8, 4096),
                       variants=("MHA", "MQA"))}     # the smoke run on a GPU: the two ends, one compile fewer
 # The lecture's arithmetic for published models, bf16: (model, attention, layers, values cached per token per
@@ -54,14 +56,16 @@ def body(s, w) -> str:
 
 
 def variants(preset: str) -> list:
-    """[(name, "random:" path)]: MHA (a KV head per query head), the published GQA, MQA (one), and
-    the published GQA with cross-layer attention (CLA-2: pairs of layers share one K/V layer)."""
+    """[(name, "random:" path)]: MHA (a KV head per query head), the published GQA, MQA (one), the
+    published GQA with cross-layer attention (CLA-2: pairs of layers share one K/V layer), and MLA
+    on the same query heads and FFN (a latent of r = 4 head_dim, DeepSeek-V2's 512 for 128)."""
     cfg, _ = model_config(RANDOM_PREFIX + preset)
     names = {1: "MQA", cfg.n_heads: "MHA"}
     heads = [(names.get(kv, f"GQA-{kv}"), f"{RANDOM_PREFIX}{preset}:kv_heads={kv}")
              for kv in sorted({cfg.n_heads, cfg.n_kv_heads, 1}, reverse=True)]
     gqa = names.get(cfg.n_kv_heads, f"GQA-{cfg.n_kv_heads}")
-    return heads + [(f"{gqa} + CLA-2", f"{RANDOM_PREFIX}{preset}:kv_heads={cfg.n_kv_heads}:cla_share=2")]
+    return heads + [(f"{gqa} + CLA-2", f"{RANDOM_PREFIX}{preset}:kv_heads={cfg.n_kv_heads}:cla_share=2"),
+                    ("MLA", f"{RANDOM_PREFIX}{preset}:kv_lora_rank={4 * cfg.head_dim}")]
 
 
 def budget(preset: str, dtype, batch: int, context: int) -> int:
@@ -84,8 +88,10 @@ def fit_batch(bm: BlockManager, context: int) -> int:
 def kv_row(name, path, cfg, dtype, cache, bm, context) -> dict:
     """A variant's bytes per token (the lecture's formula, written out; and the pool allocated) and its fit."""
     tokens = cache.num_blocks * cache.block_size
+    values = cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.kv_lora_rank else 2 * cfg.n_kv_heads * cfg.head_dim
     return {"name": name, "model": path, "kv_heads": cfg.n_kv_heads, "cla_share": cfg.cla_share,
-            "kv_bytes_per_token": 2 * cfg.kv_layers * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize,
+            "kv_lora_rank": cfg.kv_lora_rank, "values_per_token_per_layer": values,   # MLA: r + R, one latent
+            "kv_bytes_per_token": cfg.kv_layers * values * dtype.itemsize,
             "pool_bytes": cache.total_bytes, "pool_tokens": tokens, "pool_bytes_per_token": cache.total_bytes / tokens,
             "pool_blocks": bm.num_blocks, "fit_batch": fit_batch(bm, context)}
 
@@ -179,21 +185,21 @@ def run(b):
 
 def text(r: dict) -> str:
     B, C, dtype, w = r["batch"], r["context"], r["dtype"], r["sliding_window"]
-    head = ["attention", "KV heads", "KV B/token (formula)", "B/token of the allocated pool"]
+    head = ["attention", "values/token/layer", "KV B/token (formula)", "B/token of the allocated pool"]
     lecture = "" if r["lecture"] == r["timed"] else (
         f"The lecture's shapes, {r['lecture_preset']}, {dtype} (no weights needed): each variant's pool as the engine "
         f"allocates it for a budget of {r['lecture_budget_bytes'] / 2**20:.0f} MiB ({r['lecture_batch']} MHA sequences "
         f"of {r['lecture_context']} tokens), filled by its block manager.\n\n" +
         table(head + ["MHA / this", f"sequences of {r['lecture_context']} tokens that fit"],
-              [[x["name"], x["kv_heads"], x["kv_bytes_per_token"], f"{x['pool_bytes_per_token']:.10g}",
-                x["bytes_vs_mha"], x["fit_batch"]] for x in r["lecture"]]) + "\n\n")
-    timed = [[x["name"], x["kv_heads"], x["kv_bytes_per_token"], f"{x['pool_bytes_per_token']:.10g}", x["fit_batch"],
+              [[x["name"], x["values_per_token_per_layer"], x["kv_bytes_per_token"],
+                f"{x['pool_bytes_per_token']:.10g}", x["bytes_vs_mha"], x["fit_batch"]] for x in r["lecture"]]) + "\n\n")
+    timed = [[x["name"], x["values_per_token_per_layer"], x["kv_bytes_per_token"], f"{x['pool_bytes_per_token']:.10g}", x["fit_batch"],
               x["step_ms"], x["bound_ms"], x["weight_bytes"] / 1e6, x["kv_bytes_per_step"] / 1e6,
               f"{x['kv_share']:.0%}"] for x in r["timed"]]
     pub = [[x["model"], x["attention"], x["values_per_token_per_layer"], f"{x['bytes_per_token'] / 1024:,.4g}",
             x["kv_bytes_at_context"] / 1e9, x["reduction"]] for x in r["published"]]
     win = w["windowed"]["blocks"]
-    return (lecture + f"Timed: {r['timed_preset']} with each KV-head count, {dtype}, one engine at a time, a budget "
+    return (lecture + f"Timed: {r['timed_preset']}'s body with each attention, {dtype}, one engine at a time, a budget "
             f"of {r['timed_budget_bytes'] / 2**20:.3g} MiB ({B} MHA sequences of {C} tokens); decode steps of {B} "
             f"sequences at a {r['timed_context']}-token context. Bound = (weights + the batch's KV) / bandwidth.\n\n" +
             table(head + [f"sequences of {C} tokens that fit", "decode step (ms)", "bound (ms)", "weights MB/step",

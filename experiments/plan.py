@@ -219,6 +219,8 @@ def memory(o, context: int) -> dict:
     bs, seats = o.get("block_size", 16), o["max_num_seqs"]
     blocks = int(o["kv_cache_bytes"] // (per_token * bs))
     G, n_kv, d, V = cfg.n_heads // cfg.n_kv_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
+    if cfg.kv_lora_rank:            # MLA, absorbed: H queries and one KV head of r + R values each
+        d = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     acts = lambda rows: rows * (3 * cfg.ffn_dim + 3 * cfg.dim + (cfg.n_heads + 2 * n_kv) * d) * dt  # noqa: E731
     # An eager prefill chunk of C tokens at T keys (kernels.grouped_attention): the visible mask
     # [C, T] and its [C*G, T] copy per query head group, SDPA's float copy of it in the dtype, the

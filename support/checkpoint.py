@@ -56,12 +56,14 @@ def config_fields(hf: dict) -> dict:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"config field architectures must be a list of strings, got {archs!r}")
     # Mistral is Llama's architecture plus a sliding window (config field sliding_window): same
-    # tensors.
-    if (hf.get("model_type") not in ("llama", "mistral")
+    # tensors. DeepSeek-V2 is Llama's block with MLA for attention (model.LatentAttention).
+    deepseek = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in archs
+    if (hf.get("model_type") not in ("llama", "mistral") and not deepseek
             and not {"LlamaForCausalLM", "MistralForCausalLM"} & set(archs)):
         raise ValueError(
             f"unsupported architecture: model_type={hf.get('model_type')!r}, "
-            f"architectures={archs}; nanoinfer runs Llama-family checkpoints only (Llama, Mistral)")
+            f"architectures={archs}; nanoinfer runs Llama-family checkpoints only (Llama, "
+            f"Mistral, DeepSeek-V2's attention on a dense FFN)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (Llama uses silu)")
     if _bool_field(hf, "mlp_bias", False):
@@ -81,12 +83,17 @@ def config_fields(hf: dict) -> dict:
         raise ValueError(f"head_dim={head_dim} must be even: RoPE rotates pairs of dimensions")
     vocab = _int_field(hf, "vocab_size")
     rope_theta, rope_scaling = _rope_settings(hf)
+    n_layers = _int_field(hf, "num_hidden_layers", hi=MAX_LAYERS)
+    if deepseek and _int_field(hf, "first_k_dense_replace", 0, lo=0) < n_layers:
+        raise ValueError("DeepSeek's mixture-of-experts layers are not implemented: nanoinfer runs "
+                         "MLA on a dense FFN (first_k_dense_replace must be num_hidden_layers)")
     return dict(
-        dim=dim, n_layers=_int_field(hf, "num_hidden_layers", hi=MAX_LAYERS),
+        dim=dim, n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
         ffn_dim=_int_field(hf, "intermediate_size"), vocab_size=vocab,
         rope_theta=rope_theta, rope_scaling=rope_scaling,
-        rms_eps=_float_field(hf, "rms_norm_eps", 1e-5, lambda v: 0 < v < 1, "in (0, 1)"),
+        rms_eps=_float_field(hf, "rms_norm_eps", 1e-6 if deepseek else 1e-5, lambda v: 0 < v < 1,
+                             "in (0, 1)"),
         tie_embeddings=_bool_field(hf, "tie_word_embeddings", False),
         max_seq_len=_int_field(hf, "max_position_embeddings", 2048),
         attention_bias=_bool_field(hf, "attention_bias", False),
@@ -99,7 +106,29 @@ def config_fields(hf: dict) -> dict:
         # Cross-layer attention (Brandon et al. 2024): groups of this many consecutive layers
         # share the first one's K/V (its own field: no Hugging Face architecture has it).
         cla_share=_int_field(hf, "cla_share", 1, hi=MAX_LAYERS),
-    )
+    ) | _mla_fields(hf, head_dim, deepseek)
+
+
+def _mla_fields(hf: dict, head_dim: int, deepseek: bool) -> dict:
+    """Multi-head latent attention's fields (DeepSeek-V2's names; model.LatentAttention), when
+    kv_lora_rank is set; {} otherwise. The "random:" option kv_lora_rank=r puts MLA on a Llama
+    body: the per-head widths default to its head_dim, RoPE's to half of it (DeepSeek: 64 of 128).
+    Sets head_dim to the RoPE width (what rope_frequencies rotates, as Hugging Face does) and one
+    "KV head"."""
+    if hf.get("kv_lora_rank") is None:
+        if deepseek:
+            raise _missing("kv_lora_rank")
+        return {}
+    rope = _int_field(hf, "qk_rope_head_dim", head_dim // 2)
+    if rope % 2:
+        raise ValueError(f"qk_rope_head_dim={rope} must be even: RoPE rotates pairs of dimensions")
+    if _int_field(hf, "cla_share", 1, hi=MAX_LAYERS) > 1:
+        raise ValueError("cla_share with kv_lora_rank: cross-layer attention over MLA's latents "
+                         "is not implemented")
+    return dict(kv_lora_rank=_int_field(hf, "kv_lora_rank"), qk_rope_head_dim=rope,
+                qk_nope_head_dim=_int_field(hf, "qk_nope_head_dim", head_dim),
+                v_head_dim=_int_field(hf, "v_head_dim", head_dim),
+                q_lora_rank=_int_field(hf, "q_lora_rank", None), head_dim=rope, n_kv_heads=1)
 
 
 # Field checks for config_fields. Sizes are JSON integers (not 30.0, not "30",
@@ -514,6 +543,20 @@ def _llama3(hidden, ffn, layers, heads, head_dim, tied, rope_factor):
             "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"}
 
 
+def _deepseek(hidden, ffn, layers, heads, kv_lora, q_lora, nope, rope, v, vocab, max_pos, bos,
+              eos):
+    """DeepSeek-V2's config.json fields, every layer's FFN dense (first_k_dense_replace)."""
+    return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+            "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+            "first_k_dense_replace": layers, "num_attention_heads": heads,
+            "num_key_value_heads": heads, "kv_lora_rank": kv_lora, "q_lora_rank": q_lora,
+            "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v, "head_dim": rope,
+            "vocab_size": vocab, "max_position_embeddings": max_pos, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+            "attention_bias": False, "bos_token_id": bos, "eos_token_id": eos,
+            "torch_dtype": "bfloat16"}
+
+
 PRESETS = {
     # the default model's shapes (HuggingFaceTB/SmolLM2-135M-Instruct): 134,515,008 parameters
     "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -549,6 +592,16 @@ PRESETS = {
     "tiny": {**_llama3(hidden=64, ffn=128, layers=2, heads=4, head_dim=16, tied=False,
                        rope_factor=8.0),
              "num_key_value_heads": 2, "max_position_embeddings": 4096},
+    # NOT the published model: deepseek-ai/DeepSeek-V2-Lite's attention (MLA, 27 layers of 16
+    # heads, r = 512, R = 64) on a dense FFN in every layer (its first layer's: the model is a
+    # mixture of experts after it), without its YaRN long-context RoPE scaling.
+    "deepseek-v2-lite-attn": _deepseek(hidden=2048, ffn=10944, layers=27, heads=16, kv_lora=512,
+                                       q_lora=None, nope=128, rope=64, v=128, vocab=102400,
+                                       max_pos=163840, bos=100000, eos=100001),
+    # NOT a published model: MLA (with DeepSeek-V2's low-rank queries) on a 2-layer, 64-wide
+    # body with SmolLM2's vocabulary: the MLA engine's fast CPU tests.
+    "deepseek-mla-tiny": _deepseek(hidden=64, ffn=128, layers=2, heads=4, kv_lora=32, q_lora=24,
+                                   nope=16, rope=16, v=16, vocab=49152, max_pos=4096, bos=1, eos=2),
 }
 
 
@@ -560,13 +613,17 @@ PRESETS = {
 #                        seed and scale.
 #   sliding_window=W  -> sliding_window (Mistral's): each query sees its last W positions.
 #   cla_share=S       -> cla_share: cross-layer attention, S layers share each K/V layer.
+#   kv_lora_rank=r    -> multi-head latent attention on the same body (the same query heads and
+#                        FFN): a latent of r + a shared RoPE key of head_dim / 2, heads of head_dim.
 PRESET_OPTIONS = {"seed": None, "kv_heads": "num_key_value_heads",
-                  "sliding_window": "sliding_window", "cla_share": "cla_share"}
+                  "sliding_window": "sliding_window", "cla_share": "cla_share",
+                  "kv_lora_rank": "kv_lora_rank"}
 
 
 def parse_random_path(path: str) -> tuple[str, int, dict]:
-    """"random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W][:cla_share=S]" -> (preset, seed,
-    config.json overrides), e.g. "random:llama-3.2-1b:kv_heads=1:seed=3". The default seed is 0."""
+    """"random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W][:cla_share=S][:kv_lora_rank=r]"
+    -> (preset, seed, config.json overrides), e.g. "random:llama-3.2-1b:kv_heads=1:seed=3". The
+    default seed is 0."""
     rest = os.fspath(path).removeprefix(RANDOM_PREFIX)
     name, *options = rest.split(":")
     if name not in PRESETS:
@@ -576,8 +633,8 @@ def parse_random_path(path: str) -> tuple[str, int, dict]:
         m = re.fullmatch(r"([a-z_]+)=(\d{1,19})", option)
         if m is None or m.group(1) not in PRESET_OPTIONS or m.group(1) in values:
             raise ValueError(f"bad option {option!r} in {path!r}: expected random:{name}[:seed=N]"
-                             f"[:kv_heads=N][:sliding_window=W][:cla_share=S], each at most "
-                             f"once, with non-negative integers")
+                             f"[:kv_heads=N][:sliding_window=W][:cla_share=S][:kv_lora_rank=r], "
+                             f"each at most once, with non-negative integers")
         values[m.group(1)] = int(m.group(2))
     seed = values.pop("seed", 0)
     if seed >= 2**63:

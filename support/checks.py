@@ -320,6 +320,10 @@ def check_tensor_parallel(cfg, world_size: int, device_type: str = "cpu") -> Non
     vocabulary rows (vLLM replicates KV heads and pads the vocabulary; we refuse), and one
     GPU per rank on CUDA."""
     check_world_size(world_size, device_type)      # a positive integer; on CUDA, that many GPUs
+    if cfg.kv_lora_rank:
+        raise ValueError("tensor parallelism with multi-head latent attention (kv_lora_rank) is "
+                         "not implemented (each rank would hold all of the latent, its heads of "
+                         "q_proj, kv_b_proj and o_proj)")
     sizes = {"attention heads": cfg.n_heads, "KV heads": cfg.n_kv_heads,
              "FFN width": cfg.ffn_dim, "vocabulary size": cfg.vocab_size}
     bad = [f"{name} {n}" for name, n in sizes.items() if n % world_size]
@@ -358,9 +362,11 @@ def check_same_vocabulary(path, draft_config, draft_tokenizer, target_config,
 def say_pool(cfg, usable: int, block_size: int, per_token: int, int8: bool, dtype, total: int):
     """The KV pool's one line: its tokens and the lecture's bytes-per-token formula."""
     value = f"(1 B + 4/{cfg.head_dim} B of scale)" if int8 else f"{dtype.itemsize} B"
+    formula = (f"{cfg.kv_layers} layers*({cfg.kv_lora_rank} latent + {cfg.qk_rope_head_dim} "
+               f"RoPE key) values" if cfg.kv_lora_rank else
+               f"2*{cfg.kv_layers} layers*{cfg.n_kv_heads} kv heads*{cfg.head_dim} dims")
     print(f"nanoinfer: KV cache {usable} blocks x {block_size} tokens = {usable * block_size} "
-          f"tokens; {per_token} B/token = 2*{cfg.kv_layers} layers*{cfg.n_kv_heads} kv heads*"
-          f"{cfg.head_dim} dims*{value}; {total / 2**20:.1f} MiB allocated")
+          f"tokens; {per_token} B/token = {formula}*{value}; {total / 2**20:.1f} MiB allocated")
 
 
 def say_random_weights(path, seed) -> None:
@@ -382,7 +388,10 @@ def check_quantize(method, formats, quantized: bool, calibration) -> None:
         raise ValueError("awq needs calibration token ids (support/calibration.py)")
 
 
-def check_kv_cache_dtype(kv_cache_dtype) -> None:
+def check_kv_cache_dtype(kv_cache_dtype, cfg=None) -> None:
     if kv_cache_dtype not in (None, "int8"):
         raise ValueError(f"kv_cache_dtype must be None (the model's dtype) or 'int8', "
                          f"got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "int8" and cfg is not None and cfg.kv_lora_rank:
+        raise ValueError("kv_cache_dtype='int8' with multi-head latent attention (kv_lora_rank): "
+                         "an int8 latent cache is not implemented; use the model's dtype")

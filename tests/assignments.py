@@ -129,6 +129,11 @@ ASSIGNMENTS = {
         "in_window: the query at position q sees key position k iff q - W < k (Mistral); reserve frees the "
         "blocks wholly before the window of its first new position (newest first, down to one freed before), "
         "each entry then pointing at the null block, which holds one more reference"),
+    "mla-absorb": Assignment(
+        "4. the KV cache (model.py): multi-head latent attention, absorbed",
+        "LatentAttention.absorbed: fold each head's W_UK (kv_b_proj's first qk_nope_head_dim rows of the "
+        "head) into its query, attend through ctx.attend to ONE KV head [normed latent ; rotated shared key] "
+        "(V: its first r values) at the heads' scale 1/sqrt(nope + R), then apply W_UV to the weighted sum"),
     "stop-strings": Assignment(
         "6. continuous batching (sampler.py): stop strings",
         "Knuth-Morris-Pratt over streamed text with the given failure tables: feed returns (end, length) of "

@@ -64,7 +64,7 @@ BUGS = [
         "causal = torch.ones(N, N, dtype=torch.bool, device=q.device).tril()",
         "causal = torch.ones(N, N, dtype=torch.bool, device=q.device).tril(1)"),
     Bug("gqa-attention", "model.py", "scores scaled by 1/d instead of 1/sqrt(d)",
-        "scores = scores / math.sqrt(d)", "scores = scores / d"),
+        "scale = d ** -0.5 if scale is None else scale", "scale = d ** -1 if scale is None else scale"),
     Bug("gqa-attention", "model.py", "softmax over the query axis instead of the key axis",
         "probs = scores.softmax(dim=-1)", "probs = scores.softmax(dim=-2)"),
 
@@ -100,9 +100,9 @@ BUGS = [
         "qg = q[start:start + n_q].view(n_q, n_kv, H // n_kv, d)",
         "qg = q[start:start + n_q].view(n_q, H // n_kv, n_kv, d).transpose(1, 2)"),
     Bug("paged-attention", "cache.py", "scores not scaled by 1/sqrt(d)",
-        "k.float()) / math.sqrt(d)\n", "k.float())\n"),
+        "k.float()) * scale\n", "k.float())\n"),
     Bug("paged-attention", "cache.py", "the batch's query offset never advances (every sequence reads the first queries)",
-        "        start += n_q\n    return out", "    return out"),
+        "        start += n_q\n    return torch.cat(outs)", "    return torch.cat(outs)"),
 
     # ------------------------------------------------------------ block-allocation (cache.py)
     Bug("block-allocation", "cache.py", "takes the MOST recently used free block (LIFO) instead of the least",
@@ -231,6 +231,23 @@ BUGS = [
         "logp = logits[to_device(ridx, logits.device)].log_softmax(dim=-1)",
         "logp = (logits[to_device(ridx, logits.device)] / 0.7).log_softmax(dim=-1)"),
 
+    # ------------------------------------------------------------ mla-absorb (model.py)
+    Bug("mla-absorb", "model.py", "softmax scale of the latent's width 1/sqrt(r + R), not the heads' 1/sqrt(nope + R)",
+        "o = ctx.attend(self.kv_layer, q, latent, None, self.scale)", "o = ctx.attend(self.kv_layer, q, latent, None)"),
+    Bug("mla-absorb", "model.py", "W_UK and W_UV swapped: kv_b_proj's halves of a head read in the wrong order",
+        "[self.nope, self.dv], dim=1)                                  # [H, nope, r], [H, dv, r]",
+        "[self.dv, self.nope], dim=1)[::-1]"),
+    Bug("mla-absorb", "model.py", "kv_b_proj's rows taken head-innermost (head h: rows h, h + H, ...)",
+        "w_uk, w_uv = self.kv_b_proj.weight.view(self.n_heads, -1, self.r).split(",
+        "w_uk, w_uv = self.kv_b_proj.weight.view(-1, self.n_heads, self.r).transpose(0, 1).split("),
+    Bug("mla-absorb", "model.py", "V from the wrong slice: the cached vector is [k_R ; latent], V still its first r",
+        "latent = torch.cat([c, k_rope[:, 0]], dim=-1)[:, None]", "latent = torch.cat([k_rope[:, 0], c], dim=-1)[:, None]"),
+    Bug("mla-absorb", "model.py", "the absorbed query drops its RoPE part (scores from the latent alone)",
+        "q = torch.cat([torch.einsum(\"nhd,hdr->nhr\", q_nope, w_uk), q_rope], dim=-1)",
+        "q = torch.cat([torch.einsum(\"nhd,hdr->nhr\", q_nope, w_uk), 0 * q_rope], dim=-1)"),
+    Bug("mla-absorb", "model.py", "the weighted latents leave through W_UK, not W_UV (equal widths: no shape error)",
+        "return torch.einsum(\"nhr,hvr->nhv\", o, w_uv)", "return torch.einsum(\"nhr,hvr->nhv\", o, w_uk)"),
+
     # ------------------------------------------------------------ stop-strings (sampler.py)
     Bug("stop-strings", "sampler.py", "on a mismatch the match restarts from 0 instead of the failure table",
         "while k and s[k] != ch:\n                    k = self.fail[j][k - 1]",
@@ -334,12 +351,12 @@ BUGS = [
         "visible = torch.arange(T, device=q.device)[None, None, :] < q_pos[:, :, None]\n"
         "    if cache.sliding_window:            # Mistral"),
     Bug("decode-attention", "kernels.py", "sliding window off by one: W + 1 positions (k >= q - W)",
-        "> q_pos[:, :, None] - cache.sliding_window\n    out", ">= q_pos[:, :, None] - cache.sliding_window\n    out"),
+        "> q_pos[:, :, None] - cache.sliding_window\n    if on_cuda", ">= q_pos[:, :, None] - cache.sliding_window\n    if on_cuda"),
     Bug("decode-attention", "kernels.py", "the compiled path's window off by one (k >= q - W)",
         "> q_pos[:, :, None] - cache.sliding_window\n    visible = visible[..., None, None]",
         ">= q_pos[:, :, None] - cache.sliding_window\n    visible = visible[..., None, None]"),
     Bug("decode-attention", "kernels.py", "on CUDA, SDPA still gets a mask AND enable_gqa (math backend)",
-        "enable_gqa=True) if not on_cuda(q.device) else \\", "enable_gqa=True) if True else \\"),
+        "if on_cuda(q.device) or v.shape[-1] != d:", "if v.shape[-1] != d:"),
     Bug("decode-attention", "kernels.py", "ragged queries: positions from the padded Q, not each sequence's query_lens",
         "q_pos = seq_lens[:, None] - query_lens[:, None] + i", "q_pos = seq_lens[:, None] - Q + i"),
     Bug("decode-attention", "kernels.py", "K/V heads tiled (h % n_kv) instead of grouped (h // G)",
@@ -347,8 +364,8 @@ BUGS = [
         "out = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat(1, H // n_kv, 1, 1), "
         "v.repeat(1, H // n_kv, 1, 1),"),
     Bug("decode-attention", "kernels.py", "gathered K/V viewed with heads before tokens (wrong axis order)",
-        "k, v = k.view(B, T, n_kv, d).transpose(1, 2), v.view(B, T, n_kv, d).transpose(1, 2)",
-        "k, v = k.reshape(B, n_kv, T, d), v.reshape(B, n_kv, T, d)"),
+        "k, v = (t.view(B, T, n_kv, t.shape[-1]).transpose(1, 2) for t in (k, v))",
+        "k, v = (t.reshape(B, n_kv, T, t.shape[-1]) for t in (k, v))"),
 
     # ------------------------------------------------------------ tensor-parallel (parallel.py)
     Bug("tensor-parallel", "parallel.py", "row-parallel slices the OUTPUT rows instead of the input columns",

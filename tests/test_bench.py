@@ -87,17 +87,24 @@ def results(run):
 
 def linear_shapes(c):
     """(out, in) of every linear layer of a Llama, the LM head included; with cross-layer attention
-    (cla_share S) only the first layer of each S has k and v projections."""
-    kv = c.n_kv_heads * c.head_dim
+    (cla_share S) only the first layer of each S has k and v projections; MLA (kv_lora_rank r): DeepSeek-V2's
+    q (without q_lora_rank), kv_a [r + R, D], kv_b [H (nope + v), r], o [D, H v]."""
+    kv, H = c.n_kv_heads * c.head_dim, c.n_heads
     shapes = []
     for i in range(c.n_layers):
-        shapes += [(c.n_heads * c.head_dim, c.dim)] + [(kv, c.dim), (kv, c.dim)] * (i % c.cla_share == 0)
-        shapes += [(c.dim, c.n_heads * c.head_dim), (c.ffn_dim, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim)]
+        if c.kv_lora_rank:
+            shapes += [(H * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.dim),
+                       (c.kv_lora_rank + c.qk_rope_head_dim, c.dim),
+                       (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), (c.dim, H * c.v_head_dim)]
+        else:
+            shapes += [(H * c.head_dim, c.dim)] + [(kv, c.dim), (kv, c.dim)] * (i % c.cla_share == 0)
+            shapes += [(c.dim, H * c.head_dim)]
+        shapes += [(c.ffn_dim, c.dim), (c.ffn_dim, c.dim), (c.dim, c.ffn_dim)]
     return shapes + [(c.vocab_size, c.dim)]
 
 
 def norm_values(c):
-    return c.n_layers * 2 * c.dim + c.dim
+    return c.n_layers * (2 * c.dim + c.kv_lora_rank) + c.dim        # MLA: the latent's norm too
 
 
 def weight_bytes(c, bytes_per_value):
@@ -108,6 +115,8 @@ def weight_bytes(c, bytes_per_value):
 
 def kv_bytes_per_token(c, bytes_per_value, world_size=1):
     kv_layers = -(-c.n_layers // c.cla_share)                 # CLA: one K/V layer per S layers
+    if c.kv_lora_rank:                                         # MLA: one latent and one RoPE key, no factor 2
+        return kv_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * bytes_per_value
     return 2 * kv_layers * (c.n_kv_heads // world_size) * c.head_dim * bytes_per_value
 
 
@@ -139,8 +148,8 @@ def test_meta_and_every_experiment_present(run, results):
     # kv-compression changes the KV-head count and the window: "random:" presets of one body, said so
     kv = results["kv-compression"]["models"]
     assert kv == {p: "random weights, made-up shapes" for p in [f"random:smollm2-tiny:kv_heads={n}" for n in (4, 2, 1)]
-                  + ["random:smollm2-tiny:kv_heads=2:cla_share=2", "random:smollm2-tiny",
-                     "random:smollm2-tiny:sliding_window=32"]}, kv
+                  + ["random:smollm2-tiny:kv_heads=2:cla_share=2", "random:smollm2-tiny:kv_lora_rank=64",
+                     "random:smollm2-tiny", "random:smollm2-tiny:sliding_window=32"]}, kv
     assert results["overhead"]["models"][common.TINY_MODEL] == "random weights, made-up shapes"
 
 
@@ -391,21 +400,22 @@ def test_tensor_parallel_arithmetic(results):
 
 @pytest.mark.timeout(600)
 def test_kv_compression_bytes_per_token_and_the_batch_that_fits(results):
-    """MHA / GQA-8 / MQA at Llama-3.2-1B's shapes (float32 here): KV bytes per token by the formula and in
-    the pool the engine allocated; MHA / GQA-8 = 4 and GQA-8 / MQA = 8 exactly; the batch a fixed budget
-    holds at a fixed context, by the engine's block accounting, scales the same way within block rounding."""
+    """MHA / GQA-8 / MQA / GQA-8 + CLA-2 / MLA at Llama-3.2-1B's shapes (float32 here): KV bytes per token by
+    the formula and in the pool the engine allocated; MHA / GQA-8 = 4, GQA-8 / MQA = 8 exactly, MLA (r = 256,
+    R = 32 on 32 heads of 64) 4,096 / 288 = 14.2x; the batch a fixed budget holds at a fixed context, by the
+    engine's block accounting, scales the same way within block rounding."""
     import dataclasses
 
     from model import read_config
     r = results["kv-compression"]
     lec, C = {x["name"]: x for x in r["lecture"]}, r["lecture_context"]
-    assert [(n, x["kv_heads"], x["cla_share"]) for n, x in lec.items()] == \
-        [("MHA", 32, 1), ("GQA-8", 8, 1), ("MQA", 1, 1), ("GQA-8 + CLA-2", 8, 2)]
+    assert [(n, x["kv_heads"], x["cla_share"], x["kv_lora_rank"]) for n, x in lec.items()] == \
+        [("MHA", 32, 1, 0), ("GQA-8", 8, 1, 0), ("MQA", 1, 1, 0), ("GQA-8 + CLA-2", 8, 2, 0), ("MLA", 1, 1, 256)]
     cfg = read_config("random:llama-3.2-1b")
     assert (r["lecture_batch"], C, r["block_size"]) == (4, 128, 16)
     assert r["lecture_budget_bytes"] == kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=32), 4) * 4 * 128
     for x in lec.values():
-        per_token = kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=x["kv_heads"], cla_share=x["cla_share"]), 4)
+        per_token = kv_bytes_per_token(read_config(x["model"]), 4)
         assert x["kv_bytes_per_token"] == x["pool_bytes_per_token"] == per_token, x
         assert x["pool_bytes"] == x["pool_tokens"] * per_token and x["pool_tokens"] == x["pool_blocks"] * 16
         assert x["pool_blocks"] == r["lecture_budget_bytes"] // (per_token * 16)
@@ -414,16 +424,20 @@ def test_kv_compression_bytes_per_token_and_the_batch_that_fits(results):
     assert lec["GQA-8"]["kv_bytes_per_token"] / lec["MQA"]["kv_bytes_per_token"] == 8.0
     assert lec["GQA-8"]["kv_bytes_per_token"] / lec["GQA-8 + CLA-2"]["kv_bytes_per_token"] == 2.0, \
         "CLA-2: pairs of layers share one K/V layer, half the bytes per token"
-    m, g, q, c = (lec[n]["fit_batch"] for n in ("MHA", "GQA-8", "MQA", "GQA-8 + CLA-2"))
+    m, g, q, c, mla = (lec[n]["fit_batch"] for n in ("MHA", "GQA-8", "MQA", "GQA-8 + CLA-2", "MLA"))
     assert m == 4 and 4 * m <= g < 4 * (m + 1) and 8 * g <= q < 8 * (g + 1)
     assert 2 * g <= c < 2 * (g + 1), "CLA-2 holds twice GQA-8's batch in the same budget"
-    assert [x["bytes_vs_mha"] for x in lec.values()] == [1.0, 4.0, 32.0, 8.0]
+    assert mla >= 14 * m, "MLA holds >= 14x MHA's batch in the same budget"
+    assert lec["MLA"]["values_per_token_per_layer"] == 256 + 32, "MLA caches r + R values per token and layer"
+    assert [x["bytes_vs_mha"] for x in lec.values()] == [1.0, 4.0, 32.0, 8.0, pytest.approx(4096 / 288)]
 
 
 @pytest.mark.timeout(600)
 def test_kv_compression_timed_variants(results):
-    """The timed body (smollm2-tiny's shapes with 4, 2 and 1 KV heads): pool, fitting batch and the
-    bytes of a decode step follow the formula; every variant decoded the same batch without preemption."""
+    """The timed body (smollm2-tiny's shapes with 4, 2 and 1 KV heads, CLA-2, MLA with r = 64): pool, fitting
+    batch and the bytes of a decode step follow the formula; every variant decoded the same batch without
+    preemption. (At 4 heads MLA's 72 values per token and layer are more than GQA-2's 64: its saving, 2 H d
+    against 4.5 d, needs many heads.)"""
     import dataclasses
 
     from model import read_config
@@ -433,11 +447,12 @@ def test_kv_compression_timed_variants(results):
     assert r["timed_preset"] == "smollm2-tiny" and (B, r["context"]) == (4, 1024)
     assert ctx == r["context"] - r["steps"] - 8
     assert [(x["name"], x["kv_heads"], x["fit_batch"]) for x in r["timed"]] == \
-        [("MHA", 4, 4), ("GQA-2", 2, 8), ("MQA", 1, 16), ("GQA-2 + CLA-2", 2, 16)]
+        [("MHA", 4, 4), ("GQA-2", 2, 8), ("MQA", 1, 16), ("GQA-2 + CLA-2", 2, 16), ("MLA", 1, 7)]
     for x in r["timed"]:
-        c = dataclasses.replace(cfg, n_kv_heads=x["kv_heads"], cla_share=x["cla_share"])
+        c = read_config(x["model"])
         cla = f":cla_share={x['cla_share']}" if x["cla_share"] > 1 else ""
-        assert x["model"] == f"random:smollm2-tiny:kv_heads={x['kv_heads']}{cla}"
+        assert x["model"] == (f"random:smollm2-tiny:kv_heads={x['kv_heads']}{cla}" if x["name"] != "MLA" else
+                              "random:smollm2-tiny:kv_lora_rank=64")
         assert x["kv_bytes_per_token"] == x["pool_bytes_per_token"] == kv_bytes_per_token(c, 4)
         assert x["weight_bytes"] == weight_bytes(c, 4)
         kv = kv_bytes_per_token(c, 4) * ctx * B
@@ -1130,8 +1145,9 @@ def test_kv_compression_builds_one_variant_at_a_time():
     each phase of the plan holds one engine, and the bench builds each after freeing the last."""
     phases = EXPERIMENTS["kv-compression"].plan(Scale(True, False, "random:llama-3.1-8b", default_model_path()))
     assert [len(ph.engines) for ph in phases] == [1] * len(phases) and len(phases) == 3 + 2
-    assert [ph.engines[0]["path"].split(":", 2)[-1] for ph in phases[:3]] == ["kv_heads=32", "kv_heads=8", "kv_heads=1"], \
-        "a GPU times MHA, GQA-8 and MQA (CLA-2 is counted in the lecture rows, not timed)"
+    assert [ph.engines[0]["path"].split(":", 2)[-1] for ph in phases[:3]] == \
+        ["kv_heads=32", "kv_heads=8", "kv_lora_rank=256"], \
+        "a GPU times MHA, GQA-8 and MLA (MQA and CLA-2 are counted in the lecture rows, not timed)"
     assert all(ph.engines[0].get("share", True) for ph in phases), "shared: building the next frees the last"
 
 

@@ -1041,3 +1041,66 @@ def test_cross_layer_attention_caches_one_layer_in_s_and_stays_exact():
         2 * LLM("random:smollm2-tiny", **same).block_manager.num_blocks, "twice the tokens in the same budget"
     with pytest.raises(ValueError, match="cla_share"):
         read_config("random:smollm2-tiny:cla_share=0")
+
+
+# ---- multi-head latent attention (MLA): another way to count bytes per token
+
+def _tokens_that_fit(path: str, budget: int) -> int:
+    """Tokens the block manager hands out, 1,024-token sequences one after another, from the pool a
+    bf16 byte budget sizes for the model at `path` (its config alone: no weight is made)."""
+    cfg = read_config(path)
+    bm = BlockManager(num_blocks_for_budget(kv_cache_bytes(cfg, torch.bfloat16), 16, budget), 16,
+                      enable_prefix_caching=False)
+    seq = 0
+    while bm.num_free_blocks * 16 >= 1024:
+        bm.allocate(seq, [seq] * 1024)
+        bm.reserve(seq, 0, 1024)
+        seq += 1
+    return seq * 1024
+
+
+@pytest.mark.needs("kv-cache-bytes", "block-allocation")
+def test_mla_caches_one_latent_per_token_and_layer():
+    """MLA's bytes per token = layers * (r + R) * bytes, no factor 2 (one latent serves K and V):
+    DeepSeek-V2-Lite's attention in bf16, 27 * (512 + 64) * 2 = 31,104 B; a LatentCache allocates
+    exactly that. On Llama-3.1-8B's body, MLA (r = 512) lets the block manager hand out >= 14x the
+    tokens of the same body with MHA (32 KV heads) in the same budget (8,192 / 576 = 14.2x)."""
+    from cache import LatentCache, new_kv_cache
+    cfg = read_config("random:deepseek-v2-lite-attn")
+    assert kv_cache_bytes(cfg, torch.bfloat16) == 27 * 576 * 2 == 31_104, "layers * (r + R) * 2 bytes"
+    tiny = read_config("random:deepseek-mla-tiny")
+    cache = new_kv_cache(tiny, 5, 16, "cpu", torch.float32)
+    assert isinstance(cache, LatentCache) and cache.total_bytes == kv_cache_bytes(tiny, torch.float32, 5 * 16), \
+        "a LatentCache allocates exactly kv_cache_bytes (one pool: V is a view of K's first r values)"
+    mha, mla = (_tokens_that_fit(f"random:llama-3.1-8b:{o}", 2 << 30) for o in ("kv_heads=32", "kv_lora_rank=512"))
+    assert mla >= 14 * mha, f"MLA holds {mla} tokens, MHA {mha}: {mla / mha:.1f}x, the lecture's 14x"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.needs("engine", "mla-absorb", "model")
+def test_mla_engine_gives_the_naive_models_tokens():
+    """random:deepseek-mla-tiny (MLA with low-rank queries): the paged engine (latents only in the
+    pool, absorbed attention; chunked prefill, a shared prefix from the cache, a pool small enough to
+    preempt, requests joining at different steps) gives the naive dense model's greedy tokens, and
+    gives back every block. An int8 KV cache and tensor parallelism are refused by name."""
+    from helpers import assert_no_leak, run_staggered
+
+    from engine import LLM
+    from model import generate, load_model
+    from sampler import SamplingParams
+    from support.checks import check_tensor_parallel
+    model, cfg = load_model("random:deepseek-mla-tiny")
+    prompts = [[5, 6, 7, 8] * 4, list(range(100, 130)), [5, 6, 7, 8] * 4 + [9, 10], [9, 8, 7, 6, 5]]
+    dense = [generate(model, p, 16) for p in prompts]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(prompts)
+    per_token = kv_cache_bytes(cfg, torch.float32)
+    llm = LLM("random:deepseek-mla-tiny", kv_cache_bytes=14 * 4 * per_token, block_size=4, max_num_seqs=3,
+              max_num_batched_tokens=8)
+    assert run_staggered(llm, prompts, params) == dense, "the paged MLA engine differs from the naive dense model"
+    assert llm.scheduler.num_preemptions > 0, "the pool was meant to preempt"
+    assert llm.block_manager.prefix_hits > 0, "the third prompt was meant to reuse the first one's blocks"
+    assert_no_leak(llm)
+    with pytest.raises(ValueError, match="int8"):
+        LLM("random:deepseek-mla-tiny", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        check_tensor_parallel(cfg, 2)

@@ -302,21 +302,26 @@ def _decoder(model, query_sizes=(1,), warm=True, max_rows=4):
     return make
 
 
+MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, head_dim=8, n_kv_heads=1)
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("cla_share", [1, 2])
-@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes")
-def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch, cla_share):
+@pytest.mark.parametrize("variant", ["gqa", "cla", "mla"])
+@pytest.mark.needs("model", "paged-attention", "kv-cache-bytes", "mla-absorb")
+def test_compiled_steps_through_aot_autograd_alone_equal_eager(monkeypatch, variant):
     """The compiled step is right by the declared semantics of its ops, not by an inductor
     pass: with backend="aot_eager" (AOTAutograd's functionalization, no re-inplacing), every
     step of a 2-layer model equals the eager step and leaves the same cache. (Writing into a
     view OF a graph input, cache.write(0, ...) on a layer's [1, ...] view, lost the K/V of
     every layer but the first: AOTAutograd rebuilt that view from layer 0's storage offset.)
-    cla_share=2: the second layer writes nothing and reads the first one's cache layer."""
+    "cla" (cla_share=2): the second layer writes nothing and reads the first one's cache layer;
+    "mla": latents written and read absorbed, V a view of the one pool, the heads' scale."""
     import graphs
+    from cache import LatentCache
     monkeypatch.setattr(graphs, "BACKEND", "aot_eager")
-    model = tiny_model(seed=11, cla_share=cla_share)
+    model = tiny_model(seed=11, **{"gqa": {}, "cla": dict(cla_share=2), "mla": MLA}[variant])
     make = _decoder(model, warm=False, max_rows=32)
-    _sim_compare(model, KVCache, _sim_script(0, 4, 1, 8, chunk=6), make)
+    _sim_compare(model, LatentCache if variant == "mla" else KVCache, _sim_script(0, 4, 1, 8, chunk=6), make)
     assert make.decoder.row_steps > 0, "the script must hold mixed steps"
 
 

@@ -128,6 +128,42 @@ def test_batched_and_in_place_attention_keep_a_sliding_window(W):
                                msg=f"window {W}: the compiled path's attention must see keys p - W < k <= p only")
 
 
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("paged-attention", "kv-cache-bytes")
+def test_attentions_read_mla_latents_at_their_scale():
+    """MLA's cache (cache.LatentCache): ONE KV head of r + R = 24 values per token, V its first
+    r = 16, and the heads' own scale passed in. The reference loop, batched_paged_attention and
+    paged_attention_in_place all equal a float64 reference written here: outputs [.., H, r] (not
+    r + R), scores times the given scale (not 1/sqrt(r + R))."""
+    from cache import LatentCache
+    cfg = tiny_config(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, head_dim=8,
+                      n_kv_heads=1)
+    torch.manual_seed(3)
+    cache = LatentCache(cfg, 40, 4, "cpu", torch.float32)
+    cache.k.copy_(torch.randn(cache.k.shape))
+    seq_lens, Q, H, scale = [5, 17, 30], 2, 6, 0.3
+    blocks = torch.randperm(40).tolist()
+    bt = torch.tensor([blocks[i * 8:(i + 1) * 8] for i in range(3)])          # [B, 8]: 32 tokens each
+    q = torch.randn(3, Q, H, 24)
+    keys = cache.k[0][bt].flatten(1, 2)[:, :, 0].double()                      # [B, 32, r + R]
+    ref = torch.empty(3, Q, H, 16, dtype=torch.float64)
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n - Q, n)[:, None]
+        scores = torch.einsum("qhd,td->hqt", q[b].double(), keys[b]) * scale
+        p = scores.masked_fill(torch.arange(32)[None, :] > pos, float("-inf")).softmax(-1)
+        ref[b] = torch.einsum("hqt,tr->qhr", p, keys[b, :, :16])
+    got = {"cache.paged_attention": paged_attention(q.flatten(0, 1), cache, 0, bt, seq_lens, [Q] * 3,
+                                                    scale).view(3, Q, H, -1),
+           "batched_paged_attention": batched_paged_attention(q, cache, 0, bt, torch.tensor(seq_lens), None, scale),
+           "paged_attention_in_place": paged_attention_in_place(q, cache, 0, bt,
+                                                                torch.tensor(seq_lens)[:, None] - Q + torch.arange(Q),
+                                                                scale)}
+    for name, out in got.items():
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, name=name: f"{name} over MLA's latents (V = the first r values, "
+                                                            f"the given scale): {m}")
+
+
 @pytest.mark.parametrize("block_size,n_heads,n_kv,Q", ATTENTION_CASES)
 @pytest.mark.assignment("int8")
 @pytest.mark.needs("decode-attention", "paged-attention", "kv-cache-bytes")

@@ -8,7 +8,12 @@ To pass, implement:
     equal to SDPA with a band mask);
   * Transformer.forward(input_ids[N], positions[N], ctx=None): the dense
     causal path over one sequence;
-  * generate: naive greedy generation without a cache.
+  * generate: naive greedy generation without a cache;
+  * LatentAttention.absorbed (mla-absorb): DeepSeek-V2's multi-head latent
+    attention over the paged cache WITHOUT expanding K or V (W_UK folded into
+    the query, W_UV applied after the weighted sum), equal to the naive path
+    at DeepSeek-V2-Lite's shapes, whose dense path matches transformers'
+    DeepseekV2 (tests/fixtures/make_mla_fixture.py).
 The real model must reproduce logits from Hugging Face transformers
 (tests/fixtures/make_model_fixture.py made them) within 1e-4 in float32.
 
@@ -331,6 +336,72 @@ def test_sampled_generation_is_seeded_and_stops_at_eos():
     eos = greedy[4]
     assert generate(model, [1, 2, 3], 30, eos_token_id=eos)[-1] == eos
     assert len(generate(model, [1, 2, 3], 30, eos_token_id=eos)) == greedy.index(eos) + 1
+
+
+# ------------------------------------------ multi-head latent attention (DeepSeek-V2's MLA)
+
+MLA_GOLDEN = load_file(os.path.join(FIXTURES, "mla_golden.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["tiny_deepseek_v2", "tiny_deepseek_v2_lite"])
+@pytest.mark.needs("model")
+def test_mla_checkpoints_match_transformers(name):
+    """tests/fixtures/make_mla_fixture.py: transformers' own DeepseekV2ForCausalLM wrote these two
+    (low-rank queries and attention bias; V2-Lite's single q_proj), every width different (latent
+    16, RoPE 6, nope 8, v 12), norms random. The dense path, K and V expanded per head, gives
+    transformers' logits: DeepSeek's pairing of RoPE dims, the norm of the latent, the scale."""
+    model, cfg = load_model(os.path.join(FIXTURES, name))
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.head_dim, cfg.n_kv_heads) == (16, 6, 6, 1), \
+        "MLA's fields read from config.json (head_dim: the RoPE width, one latent 'KV head')"
+    ids = MLA_GOLDEN[f"{name}_ids"]
+    # Measured 1.3e-6 and 2.4e-6 (logits up to 3.3); Llama's rotate-half pairing errs by ~1.
+    err = (model(ids, torch.arange(len(ids))) - MLA_GOLDEN[f"{name}_logits"]).abs().max().item()
+    assert err < 2e-5, f"{name}: max |logit - transformers| = {err:.2e}"
+
+
+def _latent_attention_inputs(path: str, n: int, seed: int = 0):
+    """One LatentAttention of a preset's shapes with random weights, n random inputs and their
+    RoPE angles: (attention, x, cos, sin)."""
+    from model import LatentAttention
+    cfg = read_config(path)
+    torch.manual_seed(seed)
+    attn = LatentAttention(cfg, 0)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, p.shape[-1] ** -0.5)
+    x = torch.randn(n, cfg.dim)
+    angles = torch.arange(n).float()[:, None] * rope_frequencies(cfg)[None, :]
+    return attn, x, angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+@pytest.mark.assignment("mla-absorb")
+@pytest.mark.needs("model", "paged-attention")
+def test_absorbed_mla_equals_naive_at_deepseek_v2_lite_shapes():
+    """One LatentAttention at DeepSeek-V2-Lite's shapes (16 heads of 128 + 64, latent r = 512,
+    shared RoPE key R = 64, values of 128): the paged path, which never expands K or V, over 40
+    tokens fed as a 24-token chunk, then 16 more reading the first chunk's latents from the cache,
+    equals the naive path (K, V per head, dense attention) within 2e-6 relative in float32. The
+    cache holds ONE vector of r + R = 576 values per token: [normed latent ; rotated key]."""
+    from cache import AttentionContext, BlockManager, new_kv_cache
+    path = "random:deepseek-v2-lite-attn"
+    attn, x, cos, sin = _latent_attention_inputs(path, 40)
+    cfg = read_config(path)
+    naive = attn(x, cos, sin, None)                                                 # [40, D]
+    cache, bm = new_kv_cache(cfg, 12, 4, "cpu", torch.float32), BlockManager(12, 4)
+    assert cache.k.shape[-2:] == (1, 576), f"one KV head of r + R = 576 values, got {tuple(cache.k.shape)}"
+    ids = list(range(40))
+    bm.allocate(0, ids, use_prefix_cache=False)
+    out = []
+    for start, end in ((0, 24), (24, 40)):                                # a chunk, then the rest
+        bm.reserve(0, start, end - start)
+        _, _, ctx = AttentionContext.build(cache, bm, [(0, ids[start:end], start)], [], "cpu")
+        out.append(attn(x[start:end], cos[start:end], sin[start:end], ctx))
+    paged = torch.cat(out)
+    rel = ((paged - naive).norm() / naive.norm()).item()
+    assert rel < 2e-6, f"absorbed vs naive MLA: relative error {rel:.2e} (measured: 5.4e-7, float32 rounding)"
+    c = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)[:, :cfg.kv_lora_rank])
+    cached = cache.k[0].flatten(0, 1)[bm.tables[0][0] * 4:][:4, 0, :cfg.kv_lora_rank]
+    torch.testing.assert_close(cached, c[:4], msg=lambda m: f"the cache's first r values are the normed latent: {m}")
 
 
 # ------------------------------------------------------------------ bad input
