@@ -7,6 +7,7 @@ bench.py -- measuring it all: every lesson of the lecture as a number on your ma
     python bench.py --plan --gpu h100-80gb   # per experiment: planned peak memory and time; no run
     python bench.py --only batching,compile --json results/x.json    # + pictures in results/x/
     python bench.py --check --device cpu --model random:smollm2-tiny  # check dry run (CI, < 30 s)
+    python bench.py --configure --help       # the lecture's configurator: any model on any card
 
 This file is the runner: the device and the scale, the plan, the run loop and --json (its flags
 are in experiments/cli.py). The experiments are in experiments/, one file each (its docstring
@@ -39,7 +40,7 @@ import traceback
 import torch
 
 import kernels
-from experiments import EXPERIMENTS, check, write_plot
+from experiments import EXPERIMENTS, check, configure, write_plot
 from experiments.cli import parse_args, plots_dir
 from experiments.common import Bench, load_results, save_results, weights_label
 from experiments.plan import CARDS, Card, Scale, card_for, describe, pick_timing_model, plan_run
@@ -104,6 +105,9 @@ def strict_sdpa(on: bool):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--configure" in argv:        # arithmetic over a shape and a card: no device, no run
+        return configure.main([a for a in argv if a != "--configure"])
     ap, args = parse_args(argv)
     names = list(EXPERIMENTS) if not args.only else [n.strip() for n in args.only.split(",")]
     # A typo must fail now, not after minutes of the experiments before it
@@ -130,7 +134,7 @@ def main(argv=None):
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "model": scale.path,
             "timing_model": scale.path, "quality_model": scale.quality_path, "scale": why,
             "quick": args.quick,     # every figure carries how it was made: reproducible
-            "command": " ".join(["python", "bench.py"] + (sys.argv[1:] if argv is None else argv))}
+            "command": " ".join(["python", "bench.py"] + argv)}
     print(f"# nanoinfer bench\n\n{meta['device']}, torch {meta['torch']}, dtype {args.dtype}, "
           f"{meta['date']}\n"
           f"Timing model {scale.path} ({weights_label(scale.path)}; {why}); quality model "

@@ -21,7 +21,8 @@ the table, `plot(results) -> Figure`, drawn from the results dict alone.
   tensor-parallel       decode split over N processes, and the lecture's arithmetic for 8B and 70B
   kv-compression        MHA vs GQA vs MQA bytes per token and batch per budget; a sliding window
 
-Shared helpers: common.py. The plan: plan.py. The GPU self-check (--check): check.py. The
+Shared helpers: common.py. The plan: plan.py. The lecture's configurator (bench.py --configure,
+no run): configure.py. The GPU self-check (--check): check.py. The
 command line: cli.py.
 """
 import os

@@ -37,6 +37,8 @@ def parse_args(argv=None):
                     "memory and time on --gpu, and run nothing (no model is built, no GPU needed)")
     ap.add_argument("--gpu", default="h100-80gb", choices=list(CARDS),
                     help="the card --plan plans for")
+    ap.add_argument("--configure", action="store_true", help="the lecture's inference-system "
+                    "configurator (its own flags: bench.py --configure --help); runs nothing")
     return ap, ap.parse_args(argv)
 
 

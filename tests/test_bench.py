@@ -20,7 +20,9 @@ its error and the next one runs; `--check --device cpu`, the dry run of the
 GPU self-check, passes; the bench hands one engine on instead of building
 another; and the plan (experiments/plan.py, computed on the meta device)
 fits every experiment in an 80 GB H100 and a 24 GB L4 and a whole GPU run
-in 10 minutes (--quick 5, --check 3). A new user's machine (no default
+in 10 minutes (--quick 5, --check 3). The configurator (--configure) is the
+lecture's arithmetic exactly, counts a model as the engine does, and its
+calibrated step holds to the committed GPU runs. A new user's machine (no default
 model, no fastapi, no matplotlib) runs --check and --quick to the end.
 """
 import argparse
@@ -1200,3 +1202,62 @@ def test_gpu_quantization_times_awq_as_int4_and_builds_no_engine_for_it():
     timed = [n for n, _ in quantization.configs(s, s.sizes(quantization.WORKLOAD))]
     assert "awq int4 weights" in timed and "int4 weights" in timed
     assert built == len(timed) - 1, f"{built} engines built for {timed}: AWQ's row needs none"
+
+
+# -- the configurator (bench.py --configure): the lecture's arithmetic, and this engine held to its runs --------
+def test_the_configurator_is_the_lectures_arithmetic(tmp_path):
+    """The lecture's 13B (40 layers, 40 KV heads of 128) at batch 32 and 2,048 tokens on a datasheet H100:
+    weights 2 bytes a parameter, KV 2 x 2 x layers x kv_heads x head_dim x context x batch bytes, decode =
+    memory / bandwidth (memory-bound), throughput = batch / decode; TTFT and the largest batch likewise."""
+    from experiments import configure
+    r = bench.main(["--configure", "--json", str(tmp_path / "c.json")])
+    W, kv = 2 * 13e9, 2 * 2 * 40 * 40 * 128 * 2048 * 32
+    b = r["bound"]
+    assert math.isclose(b["weights_gb"], W / 1e9) and math.isclose(b["kv_gb"], kv / 1e9), b
+    assert math.isclose(b["decode_ms"], (W + kv) / 3.35e12 * 1e3), "decode = memory / bandwidth"
+    assert math.isclose(b["tokens_per_s"], 32 / ((W + kv) / 3.35e12)), "throughput = batch / decode"
+    assert math.isclose(b["ttft_ms"], max(2 * 13e9 * 512 / 989e12, W / 3.35e12) * 1e3), b
+    assert b["max_batch"] == int((80e9 - W) // (kv / 32)) == 32 and b["fits"], b
+    assert json.loads((tmp_path / "c.json").read_text())["bound"] == b, "--json holds the bound"
+    assert {"memory_gb", "decode_ms", "ttft_ms", "tokens_per_s", "max_batch", "run"} <= set(r["calibrated"])
+    a, k = 0.8, 4
+    s = configure.main(["--spec-k", str(k), "--acceptance", str(a), "--batch", "1"])["bound"]
+    assert math.isclose(s["tokens_per_pass"], (1 - a ** (k + 1)) / (1 - a)), "speculative: tokens per pass"
+    # The KV chapter's four ways, on the raw shape: MLA r + R values, CLA ceil(L / S) layers, a window W tokens
+    kv_of = lambda *flags: configure.main(["--batch", "1", *flags])["bound"]["kv_gb"] * 1e9   # noqa: E731
+    assert math.isclose(kv_of("--mla-rank", "512"), 40 * (512 + 64) * 2 * 2048)
+    assert math.isclose(kv_of("--cla-share", "3"), 2 * 14 * 40 * 128 * 2 * 2048)
+    assert math.isclose(kv_of("--window", "512"), 2 * 40 * 40 * 128 * 2 * 512)
+    assert math.isclose(kv_of("--kv-cache-dtype", "int8"), 2 * 40 * 40 * (128 + 4) * 2048), "int8 + a scale"
+
+
+def test_the_configurator_counts_a_model_as_the_engine_does():
+    """--model: the weights counted on the meta device, KV bytes per token by cache.kv_cache_bytes (MLA's
+    31,104 for DeepSeek-V2-Lite's attention); the 8B's bound at batch 1 lies below the step measured on an H100."""
+    from cache import kv_cache_bytes
+    from experiments import configure
+    r = configure.main(["--model", "random:deepseek-v2-lite-attn", "--batch", "1", "--context", "1000"])
+    assert math.isclose(r["bound"]["kv_gb"] * 1e9, 27 * 576 * 2 * 1000), r["bound"]
+    cfg, params = plan.model_config("random:llama-3.1-8b:cla_share=2")
+    r = configure.main(["--model", "random:llama-3.1-8b:cla_share=2", "--batch", "1", "--context", "1000"])
+    assert math.isclose(r["bound"]["kv_gb"] * 1e9, kv_cache_bytes(cfg, torch.bfloat16, 1000))
+    assert 0 <= r["bound"]["weights_gb"] * 1e9 - 2 * params <= 4096, "bf16: 2 bytes a parameter (+ RoPE's buffer)"
+    with open(os.path.join(ROOT, "results", "h100-2026-11-26.json")) as f:
+        measured = json.load(f)["batching"]["points"][0]
+    r = configure.main(["--model", "random:llama-3.1-8b", "--batch", "1", "--context", "512", "--gpu", "h100-80gb"])
+    assert measured["batch"] == 1 and r["bound"]["decode_ms"] < measured["step_ms"], (r["bound"], measured)
+
+
+def test_the_calibrated_prediction_holds_to_the_committed_gpu_runs():
+    """Fit on the H100 sweep's 512-token context, then held to all 16 of its points (the 2,048-token
+    ones held out) and, on the H200's roofs, to the H200 sweep of 2026-11-27 (another card, newer code):
+    each within 15% (docs/RESULTS.md, the configurator)."""
+    import dataclasses
+    from experiments import configure
+    eff = configure.calibrate("results/h100-2026-11-26.json")
+    h200 = plan.CARDS["h200"]
+    for path, card, e in (("results/h100-2026-11-26.json", plan.CARDS["h100-80gb"], eff),
+                          ("results/h200-2026-11-27/bench-mixed-rows.json", h200,
+                           dataclasses.replace(eff, bandwidth=h200.bandwidth, flops=h200.flops))):
+        rows = configure.held_to(path, card, e)
+        assert len(rows) == 16 and all(abs(x["error"]) < 0.15 for x in rows), (path, rows)
