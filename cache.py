@@ -26,6 +26,7 @@ decode (1 query) and draft verification (k + 1 queries).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -38,7 +39,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from model import in_window
-from support.checks import check_positive_ints
+from support.checks import check_local_global, check_positive_ints
 
 
 # --- Memory accounting: the lecture's formula, used to size the pool ----------
@@ -126,8 +127,10 @@ class LatentCache(KVCache):
         return k, k[..., :self.r]
 
 
-def new_kv_cache(cfg, num_blocks: int, block_size: int, device, dtype) -> KVCache:
-    """The pool cfg's attention reads: MLA's latents, or K and V."""
+def new_kv_cache(cfg, num_blocks: int, block_size: int, device, dtype, local_blocks: int = 0):
+    """The pool cfg's attention reads: MLA's latents, K and V, or two pools (HybridCache)."""
+    if cfg.global_every:                      # local + global layers: local_blocks for the local
+        return HybridCache(cfg, num_blocks, local_blocks, block_size, device, dtype)
     kind = LatentCache if cfg.kv_lora_rank else KVCache
     return kind(cfg, num_blocks, block_size, device, dtype)
 
@@ -337,7 +340,13 @@ class BlockManager:
         end_block = math.ceil((start + count) / bs)
         written = range(start // bs, min(len(table), end_block))
         shared = sum(self.ref_count[table[i]] > 1 for i in written)
-        return max(0, end_block - len(table)) + shared <= len(self.free_blocks)
+        freed = 0                     # a window: reserve first gives back the blocks behind it
+        behind = (start - self.sliding_window + 1) // bs if self.sliding_window else 0
+        for i in reversed(range(behind)):
+            if table[i] == self.null_block:
+                break
+            freed += self.ref_count[table[i]] == 1
+        return max(0, end_block - len(table)) + shared <= len(self.free_blocks) + freed
 
     def reserve(self, seq_id: int, start: int, count: int):
         """Make room for positions [start, start + count): new blocks at the end of the table,
@@ -458,3 +467,84 @@ class BlockManager:
         assert set(self.free_blocks) == {b for b in range(self.num_blocks) if not self.ref_count[b]}
         for h, b in self.cached.items():
             assert self.block_key[b][0] == h
+
+
+# --- Local layers with a global one every N: two pools, two block managers ----------
+# Only the global layers' K/V live as long as a sequence (bytes per token: L / N layers), the local
+# ones a window per seat: one pool cannot free a block for some layers and keep it for others.
+def local_pool(cfg, c, dtype) -> tuple[int, int]:
+    """(blocks, bytes) of the local layers' pool (c: EngineConfig), never out before the seats and
+    the token budget: per seat W's blocks + 2; a step's tokens; the null block. (0, 0): none."""
+    if not cfg.global_every:
+        return 0, 0
+    check_local_global(cfg, c)
+    seat = -(-cfg.sliding_window // c.block_size) + 2
+    blocks = 1 + c.max_num_seqs * seat + -(-c.max_num_batched_tokens // c.block_size)
+    local = dataclasses.replace(cfg, n_layers=cfg.n_layers - cfg.kv_layers, global_every=0)
+    return blocks, blocks * c.block_size * kv_cache_bytes(local, dtype)
+
+
+class HybridCache(KVCache):
+    """The global layers' K/V in `full`, the local ones' in `local`; where[i]: (0 full / 1 local,
+    layer i's index there). copy_block: a local block's id offset by num_blocks."""
+
+    def __init__(self, cfg, num_blocks: int, local_blocks: int, block_size: int, device, dtype):
+        glob = [i for i in range(cfg.n_layers) if cfg.window_of(i) is None]
+        loc = [i for i in range(cfg.n_layers) if i not in glob]
+        part = lambda layers, window: dataclasses.replace(   # noqa: E731 (a pool's own config)
+            cfg, n_layers=len(layers), global_every=0, sliding_window=window)
+        self.full = KVCache(part(glob, None), num_blocks, block_size, device, dtype)
+        self.local = KVCache(part(loc, cfg.sliding_window), local_blocks, block_size, device, dtype)
+        self.where = {i: (0, glob.index(i)) if i in glob else (1, loc.index(i)) for i in loc + glob}
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.sliding_window, self.bytes_per_token = cfg.sliding_window, self.full.bytes_per_token
+
+    def pools(self) -> list[torch.Tensor]:                   # (total_bytes sums them)
+        return self.full.pools() + self.local.pools()
+
+    def copy_block(self, src: int, dst: int):
+        pool, off = (self.local, self.num_blocks) if src >= self.num_blocks else (self.full, 0)
+        pool.copy_block(src - off, dst - off)
+
+
+class HybridBlockManager(BlockManager):
+    """Itself the global layers' manager (every block a sequence filled), `local` the windowed
+    layers' (it frees what falls behind the window); each call made on both. The scheduler reads
+    the global tables and free blocks (the local pool is sized never to run out first)."""
+
+    def __init__(self, num_blocks: int, local_blocks: int, block_size: int, prefix: bool, window):
+        super().__init__(num_blocks, block_size, prefix)
+        self.local = BlockManager(local_blocks, block_size, prefix, window)
+
+    def allocate(self, seq_id: int, token_ids: list[int], use_prefix_cache: bool = True) -> int:
+        """A cached prefix counts if BOTH pools hold it (the local hits bound the global lookup)."""
+        hit = self.local.allocate(seq_id, token_ids, use_prefix_cache)
+        full_hit = super().allocate(seq_id, token_ids[:hit + 1], use_prefix_cache)
+        if full_hit < hit:
+            self.local.truncate(seq_id, full_hit)
+        return full_hit
+
+    def can_append(self, seq_id: int, start: int, count: int) -> bool:
+        mine = super().can_append(seq_id, start, count)
+        return mine and self.local.can_append(seq_id, start, count)
+
+    def reserve(self, seq_id: int, start: int, count: int):
+        super().reserve(seq_id, start, count)
+        self.local.reserve(seq_id, start, count)          # its copies: ids offset by num_blocks
+        copies, self.local.pending_copies = self.local.pending_copies, []
+        self.pending_copies += [(s + self.num_blocks, d + self.num_blocks) for s, d in copies]
+
+    def free(self, seq_id: int):
+        gone = {b + self.num_blocks for b in self.local.tables.get(seq_id, ())}
+        super().free(seq_id)
+        self.local.free(seq_id)
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in gone]
+
+    def _both(method: str):                       # the calls both managers make alike
+        def call(self, *args):
+            getattr(BlockManager, method)(self, *args)
+            getattr(self.local, method)(*args)
+        return call
+
+    cache_full_blocks, fork, truncate, check_invariants = map(
+        _both, ("cache_full_blocks", "fork", "truncate", "check_invariants"))

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cache import BlockManager, Work, apply_pending_copies, kv_cache_bytes, num_blocks_for_budget
-from graphs import MAX_ROWS, CompiledDecoder, StepInputs
+from cache import Work, apply_pending_copies, kv_cache_bytes, local_pool, num_blocks_for_budget
+from graphs import MAX_ROWS, CompiledDecoder, StepInputs, new_block_manager, step_inputs
 from model import default_model_path, load_model
 from parallel import TensorParallelError, TensorParallelGroup
 from quantize import int8_kv_cache_bytes, make_kv_cache, quantize_model
@@ -206,10 +206,10 @@ class LLM(Isolation):
             allocate = lambda n: self.tp.allocate_cache(n, c.block_size, c.kv_cache_dtype)  # noqa
         self.cache, num_blocks = make_kv_pool(self.tp.config if self.tp else self.config, c,
                                               scratch, allocate, reserve)
-        self.block_manager = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching,
-                                          self.config.sliding_window)
+        self.block_manager = new_block_manager(self.cache, num_blocks, c.enable_prefix_caching,
+                                               self.config.sliding_window)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
-        self.inputs = StepInputs(self.block_manager, self.device)
+        self.inputs = step_inputs(self.block_manager, self.device)
         # the longest sequence that can run: the model's context, or the whole pool
         self.max_len = min(self.config.max_seq_len, num_blocks * c.block_size)
         self.decoder, self.compile_seconds = None, 0.0
@@ -499,20 +499,19 @@ def make_kv_pool(cfg, c: EngineConfig, scratch: int = 0, allocate=None, reserve:
     parallelism cfg is one rank's shard and allocate(n) makes every rank's pool: the same
     budget per device holds N times the tokens. `scratch` blocks: a compiled step's padding;
     `reserve`: the bytes it keeps beside the pool."""
-    device, dtype = torch.device(c.device), c.dtype
-    int8 = c.kv_cache_dtype == "int8"
+    device, dtype, int8 = torch.device(c.device), c.dtype, c.kv_cache_dtype == "int8"
     # bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value (+ scales)
     per_token = int8_kv_cache_bytes(cfg) if int8 else kv_cache_bytes(cfg, dtype)
     budget = c.kv_cache_bytes
     if budget is None:     # CUDA: 90% of what the weights left, less `reserve`; CPU: 1 GiB
-        on_cuda = device.type == "cuda"
-        budget = int(0.9 * torch.cuda.mem_get_info(device)[0]) - reserve if on_cuda else 1 << 30
+        budget = (int(0.9 * torch.cuda.mem_get_info(device)[0]) - reserve
+                  if device.type == "cuda" else 1 << 30)
+    local, local_bytes = local_pool(cfg, c, dtype)   # local + global layers: a window per seat
+    budget -= local_bytes
     num_blocks = num_blocks_for_budget(per_token, c.block_size, budget)
     checks.check_pool_size(num_blocks, 1 + scratch, budget, c.block_size, per_token)
-    if allocate is not None:
-        cache = allocate(num_blocks)
-    else:                  # the model's dtype, or int8
-        cache = make_kv_cache(cfg, num_blocks, c.block_size, c.kv_cache_dtype, device, dtype)
+    cache = allocate(num_blocks) if allocate is not None else make_kv_cache(   # dtype, or int8
+        cfg, num_blocks, c.block_size, c.kv_cache_dtype, device, dtype, local)
     usable = num_blocks - scratch
     checks.say_pool(cfg, usable, c.block_size, per_token, int8, dtype, cache.total_bytes)
     return cache, usable

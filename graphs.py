@@ -32,7 +32,7 @@ import torch
 import torch.fx.experimental._config
 import torch.nn as nn
 
-from cache import flatten_step
+from cache import BlockManager, HybridBlockManager, HybridCache, flatten_step
 from kernels import QueryGroup, StepContext, on_cuda, paged_attention_in_place, paged_decode
 from support.gpu import triton
 
@@ -149,6 +149,51 @@ class StepInputs:
         logits_indices = next(t) if hb.logits_rows is not None else None
         ctx_groups = [QueryGroup(*(None if a is None else next(t) for a in g)) for g in groups]
         return input_ids, positions, StepContext(cache, slots, ctx_groups, logits_indices)
+
+
+class HybridContext:
+    """One step over both pools: layer i attends through its pool's context (HybridInputs)."""
+
+    def __init__(self, contexts, where: dict):
+        self.contexts, self.where = contexts, where
+        self.logits_indices = contexts[0].logits_indices
+
+    def attend(self, layer: int, q, k, v, scale=None):
+        group, index = self.where[layer]
+        return self.contexts[group].attend(index, q, k, v, scale)
+
+
+class HybridInputs:
+    """Local + global layers (cache.HybridBlockManager): a StepInputs per block manager, and one
+    context that sends each layer to its pool's (cache.HybridContext). Eager steps only."""
+    tables = None                             # the compiled step's (refused: support/checks.py)
+
+    def __init__(self, block_manager, device):
+        self.full = StepInputs(block_manager, device)         # itself the global layers'
+        self.local = StepInputs(block_manager.local, device)
+
+    def host(self, work, logits_rows=None) -> HostBatch:
+        self.local_batch = self.local.host(work, logits_rows)    # the same tokens, its own slots
+        return self.full.host(work, logits_rows)
+
+    def device(self, hb: HostBatch, cache):
+        input_ids, positions, full = self.full.device(hb, cache.full)
+        local = self.local.device(self.local_batch, cache.local)[2]
+        return input_ids, positions, HybridContext((full, local), cache.where)
+
+
+def new_block_manager(cache, num_blocks: int, prefix_caching: bool, window):
+    """The engine's block manager for its pool `cache` (a HybridCache: one per group)."""
+    if isinstance(cache, HybridCache):
+        return HybridBlockManager(num_blocks, cache.local.num_blocks, cache.block_size,
+                                  prefix_caching, window)
+    return BlockManager(num_blocks, cache.block_size, prefix_caching, window)
+
+
+def step_inputs(block_manager, device):
+    """The engine's input builder for its block manager."""
+    hybrid = isinstance(block_manager, HybridBlockManager)
+    return (HybridInputs if hybrid else StepInputs)(block_manager, device)
 
 
 # --- The compiled step: one block compiled once, a CUDA graph per bucket ------

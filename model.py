@@ -53,6 +53,7 @@ class ModelConfig:
     random_seed: int | None = None  # set by "random:" presets: the weights are random, not trained
     sliding_window: int | None = None  # Mistral's W: a query sees its last W positions (None: all)
     cla_share: int = 1              # cross-layer attention: S consecutive layers share one K/V
+    global_every: int = 0           # local + global: every N-th layer full, the others windowed
     # Multi-head latent attention (DeepSeek-V2; LatentAttention), on when kv_lora_rank > 0.
     # Hugging Face's names; head_dim is then qk_rope_head_dim (what RoPE rotates), n_kv_heads 1.
     kv_lora_rank: int = 0           # r: the latent each token's K and V are made from
@@ -63,8 +64,19 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> int:
-        """Layers whose K/V the cache holds: one per group of cla_share (CLA), else every layer."""
+        """Layers whose K/V the cache holds for a token's whole life: one per group of cla_share
+        (CLA); with local + global layers only the global ones (cache.HybridCache keeps the local
+        ones' last W tokens apart); else every layer."""
+        if self.global_every:
+            return self.n_layers // self.global_every
         return -(-self.n_layers // self.cla_share)
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The window layer `layer_idx` attends within: global_every = N makes every N-th layer
+        global (Gemma's (i + 1) % N == 0: it sees every position), the rest local (the last W)."""
+        if self.global_every and (layer_idx + 1) % self.global_every == 0:
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -176,7 +188,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx, self.window = layer_idx, cfg.sliding_window    # window: Mistral's W or None
+        self.layer_idx, self.window = layer_idx, cfg.window_of(layer_idx)   # Mistral's W or None
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.kv_layer = layer_idx // cfg.cla_share                   # the cache layer it reads
         self.writes_kv = layer_idx % cfg.cla_share == 0              # CLA: the group's first

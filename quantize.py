@@ -396,10 +396,11 @@ class Int8KVCache(KVCache):
                      for t, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
 
-def make_kv_cache(cfg, num_blocks: int, block_size: int, kv_cache_dtype, device, dtype) -> KVCache:
-    """The one place a KV pool is made: the model's dtype (None: K and V, or MLA's latents) or
-    int8."""
+def make_kv_cache(cfg, num_blocks: int, block_size: int, kv_cache_dtype, device, dtype,
+                  local_blocks: int = 0) -> KVCache:
+    """The one place a KV pool is made: the model's dtype (None: K and V, MLA's latents, or
+    local + global layers' two pools) or int8."""
     checks.check_kv_cache_dtype(kv_cache_dtype, cfg)
     if kv_cache_dtype == "int8":
         return Int8KVCache(cfg, num_blocks, block_size, device, dtype)
-    return new_kv_cache(cfg, num_blocks, block_size, device, dtype)
+    return new_kv_cache(cfg, num_blocks, block_size, device, dtype, local_blocks)

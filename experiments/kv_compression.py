@@ -1,14 +1,13 @@
 """
 kv-compression -- at long contexts the cache, not the weights, fills memory and the step.
 
-Claim (lecture, chapter 6): KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x
-bytes. MHA caches a K/V pair per query head, GQA one per group, MQA one for all: at the same
-budget fewer KV heads hold proportionally more sequences, and a decode step reads fewer bytes;
-MLA caches one compressed latent (r + R values per token and layer, no factor 2; here r = 4 d,
-R = d / 2, DeepSeek-V2's ratios: 4.5 d against MHA's 2 H d). A sliding window (Mistral) bounds what a query sees, so the
-block manager gives back the blocks behind it: O(window) blocks instead of O(length). Baseline:
-the MHA variant of the same body (`random:<preset>:kv_heads=N`: every other tensor the same),
-in the same run, one variant at a time; and full attention for the window.
+Claim (lecture, chapter 6): KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes.
+MHA caches a K/V pair per query head, GQA one per group, MQA one for all; CLA one per group of layers;
+MLA one latent (r + R values a token and layer, no factor 2; here DeepSeek-V2's r = 4 d, R = d / 2). At
+the same budget fewer bytes hold proportionally more sequences, and a decode step reads fewer. A window
+(Mistral) gives the blocks behind it back: O(window) blocks, not O(length); a global layer every N keeps
+1 / N of them. Baseline: the MHA variant of the same body (`random:<preset>:kv_heads=N`: every other
+tensor the same), in the same run, one variant at a time; and full attention for the window.
 """
 from __future__ import annotations
 
@@ -24,32 +23,19 @@ from support.checkpoint import RANDOM_PREFIX, parse_random_path
 
 from experiments.common import TINY_MODEL, engine_step_seconds, figure, model_config, start_decoding, table
 from experiments.plan import Phase, decode, prefill
+from experiments.published import LONG_CONTEXT, published_kv_arithmetic
 
 NAME = "kv-compression"
-LECTURE_PRESET, BLOCK, LONG_CONTEXT = "llama-3.2-1b", 16, 128 * 1024   # 32 query heads: MHA 32, GQA-8, MQA 1
+LECTURE_PRESET, BLOCK = "llama-3.2-1b", 16   # 32 query heads: MHA 32, GQA-8, MQA 1
 # body: the preset timed; batch sequences of `context` tokens make the budget (MHA's); window/tokens: the
-# sliding-window curve of the tiny model (eager). A GPU times the lecture's body compiled, one variant at a time.
+# window curves of the tiny model (eager). A GPU times the lecture's body compiled, one variant at a time.
 WORKLOAD = {
     "cpu": dict(body="smollm2-135m", batch=4, context=1024, steps=10, window=64, tokens=1024, lecture=(4, 1024)),
     "cpu-quick": dict(body="smollm2-tiny", batch=4, context=1024, steps=8, window=32, tokens=128, lecture=(4, 128)),
     "gpu": dict(body=LECTURE_PRESET, batch=8, context=4096, steps=10, window=64, tokens=1024, lecture=(8, 4096),
-                variants=("MHA", "GQA-8", "MLA")),   # MQA, CLA: counted in the lecture rows, not timed (the
-                                                     # run's limit); these three: issue 48's ranking by KV bytes
+                variants=("MHA", "GQA-8", "MLA")),   # ranked by KV bytes; MQA, CLA: counted, not timed (the limit)
     "gpu-quick": dict(body=LECTURE_PRESET, batch=8, context=4096, steps=5, window=64, tokens=1024, lecture=(8, 4096),
                       variants=("MHA", "MQA"))}     # the smoke run on a GPU: the two ends, one compile fewer
-# The lecture's arithmetic for published models, bf16: (model, attention, layers, values cached per token per
-# layer, window). Llama-2-70B: arXiv:2307.09288 and its config.json (80 layers, 64 heads of 128, 8 KV heads;
-# "MHA" is that body with 64 KV heads). DeepSeek-V2: arXiv:2405.04434 sec. 2.1 and app. B (60 layers, 128
-# heads of 128; MLA caches the latent c_KV, d_c = 512, and the shared RoPE key, 64: 576 values). Mistral-7B:
-# arXiv:2310.06825 and its config.json (32 layers, 8 KV heads of 128, sliding_window 4096).
-PUBLISHED_KV = [("Llama-2-70B", "MHA (64 KV heads)", 80, 2 * 64 * 128, None),
-                ("Llama-2-70B", "GQA-8 (published)", 80, 2 * 8 * 128, None),
-                ("DeepSeek-V2", "MHA (128 heads x 128 dims)", 60, 2 * 128 * 128, None),
-                ("DeepSeek-V2", "MLA (published): 512 latent + 64 RoPE", 60, 576, None),
-                ("Mistral-7B", "GQA-8, full attention", 32, 2 * 8 * 128, None),
-                ("Mistral-7B", "GQA-8, 4k window (published)", 32, 2 * 8 * 128, 4096)]
-
-
 def body(s, w) -> str:
     """--model's preset if it is a "random:" one, else the workload's."""
     return parse_random_path(s.path)[0] if s.path.startswith(RANDOM_PREFIX) and s.path == s.quality_path else w.body
@@ -135,31 +121,32 @@ def timed_variant(b, name, opts, w) -> dict:
     return row
 
 
-def published_kv_arithmetic(context: int = LONG_CONTEXT) -> list:
-    """PUBLISHED_KV in bf16 bytes: per token, and one sequence of `context` tokens (a window caps it)."""
-    rows = [{"model": m, "attention": a, "layers": L, "values_per_token_per_layer": v, "window": win,
-             "bytes_per_token": L * v * 2, "context": context, "tokens_held": min(context, win or context),
-             "kv_bytes_at_context": L * v * 2 * min(context, win or context)} for m, a, L, v, win in PUBLISHED_KV]
-    for r in rows:                         # against the first (uncompressed) row of the same model
-        first = next(x for x in rows if x["model"] == r["model"])
-        r["reduction"] = first["kv_bytes_at_context"] / r["kv_bytes_at_context"]
-    return rows
+def window_paths(window: int) -> list:
+    """[(key, path)]: full attention, a window on every layer, a window on every layer but each 2nd."""
+    local = f"{TINY_MODEL}:sliding_window={window}"
+    return [("full", TINY_MODEL), ("windowed", local), ("local_global", f"{local}:global_every=2")]
+
+
+def held_blocks(bm, cfg) -> float:
+    """KV blocks in use, in blocks of every layer (local + global: each manager's by its layers)."""
+    used = lambda m: m.num_blocks - m.num_free_blocks - (m.null_block is not None)   # noqa: E731
+    local = cfg.n_layers - cfg.kv_layers if cfg.global_every else 0
+    return (used(bm) * (cfg.n_layers - local) + (used(bm.local) * local if local else 0)) / cfg.n_layers
 
 
 def window_curves(b, window: int, tokens: int) -> dict:
     """KV blocks in use against generated length (one sequence, a 1-token prompt, greedy), read from the
-    engine's block manager after every step: full attention, then a window of `window`."""
+    engine's block managers after every step: full attention, a window of `window`, local + global."""
     out = {"model": TINY_MODEL, "window": window, "block_size": BLOCK, "tokens": tokens,
            "window_bound_blocks": math.ceil(window / BLOCK) + 1, "source": "the engine (LLM.step)"}
-    for key, path in (("full", TINY_MODEL), ("windowed", f"{TINY_MODEL}:sliding_window={window}")):
+    for key, path in window_paths(window):
         b.progress(f"kv-compression: {tokens} tokens, {key} attention")
         llm = b.llm(path=path, max_num_seqs=1, compile=False, pool_tokens=tokens + 64, block_size=BLOCK)
-        bm, xs, ys = llm.block_manager, [], []
         seq = llm.requests[llm.add_request([1], SamplingParams(max_tokens=tokens + 1, ignore_eos=True))].seqs[0]
+        out[key] = {"tokens": [], "blocks": []}
         while not any(o.finished for o in llm.step()):   # the last step finishes it and frees its blocks
-            xs.append(seq.num_computed)
-            ys.append(bm.num_blocks - bm.num_free_blocks - (bm.null_block is not None))  # the null block holds none
-        out[key] = {"tokens": xs, "blocks": ys}
+            out[key]["tokens"].append(seq.num_computed)
+            out[key]["blocks"].append(held_blocks(llm.block_manager, llm.config))
     return out
 
 
@@ -194,8 +181,8 @@ def text(r: dict) -> str:
               [[x["name"], x["values_per_token_per_layer"], x["kv_bytes_per_token"],
                 f"{x['pool_bytes_per_token']:.10g}", x["bytes_vs_mha"], x["fit_batch"]] for x in r["lecture"]]) + "\n\n")
     timed = [[x["name"], x["values_per_token_per_layer"], x["kv_bytes_per_token"], f"{x['pool_bytes_per_token']:.10g}", x["fit_batch"],
-              x["step_ms"], x["bound_ms"], x["weight_bytes"] / 1e6, x["kv_bytes_per_step"] / 1e6,
-              f"{x['kv_share']:.0%}"] for x in r["timed"]]
+              x["step_ms"], x["bound_ms"], x["weight_bytes"] / 1e6, x["kv_bytes_per_step"] / 1e6, f"{x['kv_share']:.0%}"]
+             for x in r["timed"]]
     pub = [[x["model"], x["attention"], x["values_per_token_per_layer"], f"{x['bytes_per_token'] / 1024:,.4g}",
             x["kv_bytes_at_context"] / 1e9, x["reduction"]] for x in r["published"]]
     win = w["windowed"]["blocks"]
@@ -208,9 +195,10 @@ def text(r: dict) -> str:
             table(["model", "attention", "values/token/layer", "KiB/token", f"GB at {LONG_CONTEXT // 1024}k tokens",
                    "reduction"], pub) +
             f"\n\nSliding window: one sequence generating {w['tokens']} tokens in blocks of {w['block_size']}, "
-            f"{w['source']}. Full attention holds {w['full']['blocks'][-1]} blocks at the end; a window of "
-            f"{w['window']} at most {max(win)} (bound ceil(W / block size) + 1 = {w['window_bound_blocks']}), "
-            f"{win[-1]} at the end.")
+            f"{w['source']}. Full attention holds {w['full']['blocks'][-1]:g} blocks at the end; a window of "
+            f"{w['window']} at most {max(win):g} (bound ceil(W / block size) + 1 = {w['window_bound_blocks']}), "
+            f"{win[-1]:g} at the end; a window on the first layer and a global second one (global_every=2: "
+            f"two pools) {w['local_global']['blocks'][-1]:g} blocks of both layers at the end.")
 
 
 def plan(s):
@@ -218,7 +206,7 @@ def plan(s):
     phases = [Phase([o], [prefill(o, w.batch * w.context, w.context / 2), decode(o, w.steps + 2, w.batch, w.context)],
                     context=w.context) for _, o in timed_engines(s, w)]
     tiny = [s.options(p, max_num_seqs=1, compile=False, pool_tokens=w.tokens + 64, block_size=BLOCK)
-            for p in (TINY_MODEL, f"{TINY_MODEL}:sliding_window={w.window}")]
+            for _, p in window_paths(w.window)]
     return phases + [Phase([o], [decode(o, w.tokens, 1, w.tokens)], context=w.tokens + 64) for o in tiny]
 
 
@@ -228,7 +216,8 @@ def plot(r: dict):
     models = ([f"{r['lecture_preset']} (kv_heads {heads(lec)})"] + ([] if lec == tim else
               [f"{r['timed_preset']} (kv_heads {heads(tim)})"]) + [f"{w['model'][7:]} (window {w['window']})"])
     fig, (a1, a2, a3) = figure({**r, "models": models}, "KV compression: fewer KV heads, fewer bytes per token "
-                               "and more sequences per budget; a sliding window caps the blocks", ncols=3)
+                               "and more sequences per budget; a window caps the blocks, a global layer keeps a share",
+                               ncols=3)
     # the allocated pool's bytes per token (log scale: MHA to MQA spans the query-head count)
     a1.bar([x["name"] for x in lec], [x["pool_bytes_per_token"] / 1024 for x in lec], color="C0")
     for i, x in enumerate(lec):
@@ -249,7 +238,10 @@ def plot(r: dict):
     a2.set_title(f"batch {r['batch']} at a {r['timed_context']}-token context", fontsize=9)
     a2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2)   # below: no bar hidden
     a3.plot(w["full"]["tokens"], w["full"]["blocks"], "-", color="C0", label="full attention")
-    a3.plot(w["windowed"]["tokens"], w["windowed"]["blocks"], "-", color="C3", label=f"window W = {w['window']}")
+    for key, color, label in (("windowed", "C3", f"window W = {w['window']}"),   # (no local_global before
+                              ("local_global", "C2", "local + global: layer 2 of 2 global")):   # 2026-11-28)
+        if key in w:
+            a3.plot(w[key]["tokens"], w[key]["blocks"], "-", color=color, label=label)
     a3.axhline(w["window_bound_blocks"], color="grey", ls=":", lw=1,
                label=f"ceil(W / {w['block_size']}) + 1 = {w['window_bound_blocks']} blocks")
     a3.set(xlabel="tokens generated (1-token prompt)", ylabel=f"KV blocks in use (of {w['block_size']} tokens)")

@@ -101,12 +101,28 @@ def config_fields(hf: dict) -> dict:
         eos_token_id=_token_ids(hf, "eos_token_id", vocab),
         # Mistral's local attention: each query sees its last W positions
         # (null or absent: all of them).
-        # Models that interleave local and global layers (Gemma 2/3, gpt-oss) are not supported.
         sliding_window=_int_field(hf, "sliding_window", None),
+        # Local layers with a global one every N (Gemma 3's sliding_window_pattern, Character.AI):
+        # layer i attends globally when (i + 1) % N == 0, the others within the window.
+        global_every=_global_every(hf, n_layers),
         # Cross-layer attention (Brandon et al. 2024): groups of this many consecutive layers
         # share the first one's K/V (its own field: no Hugging Face architecture has it).
         cla_share=_int_field(hf, "cla_share", 1, hi=MAX_LAYERS),
     ) | _mla_fields(hf, head_dim, deepseek)
+
+
+def _global_every(hf: dict, n_layers: int) -> int:
+    """global_every (0: none); it needs a window to leave, and is not combined with CLA or MLA."""
+    n = _int_field(hf, "global_every", 0, lo=0, hi=MAX_LAYERS)
+    if n and not 2 <= n <= n_layers:
+        raise ValueError(f"global_every={n} must be in [2, num_hidden_layers={n_layers}]: every "
+                         f"N-th layer global, at least one local layer and one global one")
+    if n and hf.get("sliding_window") is None:
+        raise ValueError("global_every without sliding_window: the local layers need a window W")
+    cla = _int_field(hf, "cla_share", 1, hi=MAX_LAYERS) > 1
+    if n and (cla or hf.get("kv_lora_rank") is not None):
+        raise ValueError("global_every with cla_share or kv_lora_rank is not implemented")
+    return n
 
 
 def _mla_fields(hf: dict, head_dim: int, deepseek: bool) -> dict:
@@ -613,15 +629,17 @@ PRESETS = {
 #                        seed and scale.
 #   sliding_window=W  -> sliding_window (Mistral's): each query sees its last W positions.
 #   cla_share=S       -> cla_share: cross-layer attention, S layers share each K/V layer.
+#   global_every=N    -> with sliding_window=W: every N-th layer global, the others local.
 #   kv_lora_rank=r    -> multi-head latent attention on the same body (the same query heads and
 #                        FFN): a latent of r + a shared RoPE key of head_dim / 2, heads of head_dim.
 PRESET_OPTIONS = {"seed": None, "kv_heads": "num_key_value_heads",
                   "sliding_window": "sliding_window", "cla_share": "cla_share",
-                  "kv_lora_rank": "kv_lora_rank"}
+                  "kv_lora_rank": "kv_lora_rank", "global_every": "global_every"}
 
 
 def parse_random_path(path: str) -> tuple[str, int, dict]:
-    """"random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W][:cla_share=S][:kv_lora_rank=r]"
+    """"random:<preset>[:seed=N][:kv_heads=N][:sliding_window=W][:cla_share=S][:kv_lora_rank=r]
+    [:global_every=N]"
     -> (preset, seed, config.json overrides), e.g. "random:llama-3.2-1b:kv_heads=1:seed=3". The
     default seed is 0."""
     rest = os.fspath(path).removeprefix(RANDOM_PREFIX)
@@ -633,7 +651,8 @@ def parse_random_path(path: str) -> tuple[str, int, dict]:
         m = re.fullmatch(r"([a-z_]+)=(\d{1,19})", option)
         if m is None or m.group(1) not in PRESET_OPTIONS or m.group(1) in values:
             raise ValueError(f"bad option {option!r} in {path!r}: expected random:{name}[:seed=N]"
-                             f"[:kv_heads=N][:sliding_window=W][:cla_share=S][:kv_lora_rank=r], "
+                             f"[:kv_heads=N][:sliding_window=W][:cla_share=S][:kv_lora_rank=r]"
+                             f"[:global_every=N], "
                              f"each at most once, with non-negative integers")
         values[m.group(1)] = int(m.group(2))
     seed = values.pop("seed", 0)

@@ -320,6 +320,9 @@ def check_tensor_parallel(cfg, world_size: int, device_type: str = "cpu") -> Non
     vocabulary rows (vLLM replicates KV heads and pads the vocabulary; we refuse), and one
     GPU per rank on CUDA."""
     check_world_size(world_size, device_type)      # a positive integer; on CUDA, that many GPUs
+    if cfg.global_every:
+        raise ValueError("tensor parallelism with local + global layers (global_every) is not "
+                         "implemented")
     if cfg.kv_lora_rank:
         raise ValueError("tensor parallelism with multi-head latent attention (kv_lora_rank) is "
                          "not implemented (each rank would hold all of the latent, its heads of "
@@ -365,8 +368,11 @@ def say_pool(cfg, usable: int, block_size: int, per_token: int, int8: bool, dtyp
     formula = (f"{cfg.kv_layers} layers*({cfg.kv_lora_rank} latent + {cfg.qk_rope_head_dim} "
                f"RoPE key) values" if cfg.kv_lora_rank else
                f"2*{cfg.kv_layers} layers*{cfg.n_kv_heads} kv heads*{cfg.head_dim} dims")
+    local = (f" (global layers; the {cfg.n_layers - cfg.kv_layers} local layers keep a window "
+             f"per seat in a pool of their own)" if cfg.global_every else "")
     print(f"nanoinfer: KV cache {usable} blocks x {block_size} tokens = {usable * block_size} "
-          f"tokens; {per_token} B/token = {formula}*{value}; {total / 2**20:.1f} MiB allocated")
+          f"tokens; {per_token} B/token = {formula}*{value}{local}; "
+          f"{total / 2**20:.1f} MiB allocated")
 
 
 def say_random_weights(path, seed) -> None:
@@ -386,6 +392,14 @@ def check_quantize(method, formats, quantized: bool, calibration) -> None:
                          "it again")
     if method == "awq" and not calibration:
         raise ValueError("awq needs calibration token ids (support/calibration.py)")
+
+
+def check_local_global(cfg, c) -> None:
+    """Local + global layers (cfg.global_every) run on the eager path, in the model's dtype."""
+    if c.compile or c.kv_cache_dtype == "int8":
+        raise ValueError("global_every (local + global layers) runs eagerly and in the model's "
+                         "dtype: compile=True and kv_cache_dtype='int8' are not implemented "
+                         "with it")
 
 
 def check_kv_cache_dtype(kv_cache_dtype, cfg=None) -> None:

@@ -50,7 +50,7 @@ from tokenizer import Tokenizer
 
 # The results fixture runs every experiment through the whole engine.
 pytestmark = pytest.mark.needs("engine", "model", "sampler", "ngram-drafter", "int8", "int4", "awq", "paged-attention",
-                              "roofline")
+                              "sliding-window", "mla-absorb", "roofline")
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,8 @@ def test_meta_and_every_experiment_present(run, results):
     kv = results["kv-compression"]["models"]
     assert kv == {p: "random weights, made-up shapes" for p in [f"random:smollm2-tiny:kv_heads={n}" for n in (4, 2, 1)]
                   + ["random:smollm2-tiny:kv_heads=2:cla_share=2", "random:smollm2-tiny:kv_lora_rank=64",
-                     "random:smollm2-tiny", "random:smollm2-tiny:sliding_window=32"]}, kv
+                     "random:smollm2-tiny", "random:smollm2-tiny:sliding_window=32",
+                     "random:smollm2-tiny:sliding_window=32:global_every=2"]}, kv
     assert results["overhead"]["models"][common.TINY_MODEL] == "random weights, made-up shapes"
 
 
@@ -484,7 +485,7 @@ def test_kv_compression_published_arithmetic(results):
 def test_kv_compression_window_frees_blocks(results):
     """KV blocks in use against generated length, read from the engine's block manager after every step:
     full attention holds ceil(x / 16) blocks; a window of 32 frees every block wholly before position
-    x - W, so it flattens at ceil(W / 16) + 1 = 3."""
+    x - W, so it flattens at ceil(W / 16) + 1 = 3; a global layer of two holds the mean of the two."""
     w = results["kv-compression"]["sliding_window"]
     W, bs, n = w["window"], w["block_size"], w["tokens"]
     assert (w["model"], W, bs, n, w["window_bound_blocks"]) == ("random:smollm2-tiny", 32, 16, 128, 3)
@@ -493,6 +494,9 @@ def test_kv_compression_window_frees_blocks(results):
     assert full["blocks"] == [math.ceil(x / bs) for x in full["tokens"]], "full attention: O(length)"
     assert win["blocks"] == [math.ceil(x / bs) - max(0, (x - W) // bs) for x in win["tokens"]]
     assert max(win["blocks"]) == 3 and full["blocks"][-1] == 8
+    # local + global (global_every=2: layer 0 windowed, layer 1 global): the mean of the two per layer
+    both = w["local_global"]
+    assert both["tokens"] == full["tokens"] and both["blocks"] == [(f + x) / 2 for f, x in zip(full["blocks"], win["blocks"])]
 
 
 # -- the scale, the labels, and --json --------------------------------------------------------------
@@ -1146,7 +1150,7 @@ def test_kv_compression_builds_one_variant_at_a_time():
     """At the lecture's shapes three variants and their budgets at once would not fit a 24 GB card:
     each phase of the plan holds one engine, and the bench builds each after freeing the last."""
     phases = EXPERIMENTS["kv-compression"].plan(Scale(True, False, "random:llama-3.1-8b", default_model_path()))
-    assert [len(ph.engines) for ph in phases] == [1] * len(phases) and len(phases) == 3 + 2
+    assert [len(ph.engines) for ph in phases] == [1] * len(phases) and len(phases) == 3 + 3   # + the windows
     assert [ph.engines[0]["path"].split(":", 2)[-1] for ph in phases[:3]] == \
         ["kv_heads=32", "kv_heads=8", "kv_lora_rank=256"], \
         "a GPU times MHA, GQA-8 and MLA (MQA and CLA-2 are counted in the lecture rows, not timed)"

@@ -1104,3 +1104,91 @@ def test_mla_engine_gives_the_naive_models_tokens():
         LLM("random:deepseek-mla-tiny", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="tensor parallelism"):
         check_tensor_parallel(cfg, 2)
+
+
+def _local_global_checkpoint(tmp_path, window: int, every: int, n_layers: int = 6, **overrides):
+    """A tiny Llama of n_layers with a window W on its local layers and a global one every N (written
+    as a checkpoint directory: config.json gains sliding_window and global_every); and the model."""
+    import json
+
+    from helpers import save_checkpoint
+    model = tiny_model(seed=3, n_layers=n_layers, sliding_window=window, global_every=every, **overrides)
+    save_checkpoint(model, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "sliding_window": window, "global_every": every}))
+    return str(tmp_path), model
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.needs("engine", "sliding-window", "model")
+def test_local_and_global_layers_give_the_dense_models_tokens(tmp_path):
+    """global_every = 3 over 6 layers, window 8 (layers 2 and 5 global, the others local): two pools and
+    two block managers (cache.HybridCache, HybridBlockManager). The paged engine (chunked prefill,
+    preemption, a prefix from the cache, n = 2 forks writing a shared block, requests joining at
+    different steps; n-gram speculation) gives the dense model's greedy tokens, each layer masked by its
+    own window, and gives back every block of both pools. The dense model is not the all-local or the
+    all-global one. compile=True and an int8 KV cache are refused by name."""
+    from helpers import run_staggered
+
+    from engine import LLM
+    from model import generate
+    from sampler import SamplingParams
+    path, model = _local_global_checkpoint(tmp_path, window=8, every=3)
+    assert [model.config.window_of(i) for i in range(6)] == [8, 8, None, 8, 8, None], "Gemma's (i + 1) % N"
+    ids, pos = torch.tensor(list(range(5, 45))), torch.arange(40)
+    logits = model(ids, pos)
+    for every, window in ((0, 8), (0, None)):    # all local, all global: different models
+        model.config.global_every, model.config.sliding_window = every, window
+        other = type(model)(model.config)
+        other.load_state_dict(model.state_dict())
+        assert not torch.allclose(other(ids, pos), logits), "the test would not see a wrong window"
+    model.config.global_every, model.config.sliding_window = 3, 8
+    prompts = [[5, 6, 7, 8] * 5, list(range(100, 130)), [5, 6, 7, 8] * 5 + [9, 10], [9, 8, 7, 6, 5]]
+    dense = [generate(model, p, 20) for p in prompts]
+    local_pool = (1 + 3 * (2 + 2) + 2) * 4 * 4 * 256      # blocks (cache.local_pool) x 4 tokens x 4 layers
+    llm = LLM(path, block_size=4, max_num_seqs=3, max_num_batched_tokens=8,
+              kv_cache_bytes=local_pool + 14 * 4 * kv_cache_bytes(model.config, torch.float32))
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)] * len(prompts)
+    assert run_staggered(llm, prompts, params) == dense, "the paged local + global engine differs from the dense model"
+    assert llm.scheduler.num_preemptions > 0, "the pool was meant to preempt"
+    assert llm.block_manager.prefix_hits > 0, "the third prompt was meant to reuse the first one's blocks"
+    forked = llm.generate([prompts[3]], SamplingParams(n=2, max_tokens=20, ignore_eos=True))[0]
+    assert [s.token_ids for s in forked.outputs] == [dense[3]] * 2, "n = 2: both samples greedy"
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.local.num_free_blocks == bm.local.num_blocks - 1, "leak"
+    bm.check_invariants()
+    spec = LLM(path, block_size=4, speculative="ngram", num_speculative_tokens=3)   # rollback in both pools
+    assert [o.token_ids for o in spec.generate(prompts, params)] == dense, "n-gram speculation changed a token"
+    for bad in (dict(compile=True), dict(kv_cache_dtype="int8")):
+        with pytest.raises(ValueError, match="global_every"):
+            LLM(path, **bad)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.needs("engine", "sliding-window", "model")
+def test_local_and_global_layers_hold_a_window_per_local_layer(tmp_path):
+    """One sequence at 4,096 tokens, window 64, a global layer every 3 of 6: the two block managers hold
+    (1/N + (N-1)/N * W/4096) of full attention's KV (2 layers x 256 blocks + 4 x 4 blocks of 6 x 256),
+    what all-local would hold is 4 blocks a layer; bytes per token count the global layers alone, so the
+    same budget holds N = 3x the tokens of full attention (less the local layers' pool)."""
+    from engine import LLM
+    from sampler import SamplingParams
+    path, _ = _local_global_checkpoint(tmp_path, window=64, every=3, max_seq_len=4200)
+    llm = LLM(path, block_size=16, max_num_seqs=1, max_num_batched_tokens=512, enable_prefix_caching=False,
+              kv_cache_bytes=4 << 20)
+    cfg = llm.config
+    assert (cfg.kv_layers, kv_cache_bytes(cfg, torch.float32)) == (2, 2 * 2 * cfg.n_kv_heads * cfg.head_dim * 4)
+    llm.add_request([3 + i % 500 for i in range(4095)], SamplingParams(max_tokens=3, ignore_eos=True))
+    held = None
+    while llm.has_unfinished_requests():
+        llm.step()
+        bm = llm.block_manager
+        for sid, table in bm.tables.items():
+            if len(table) == 256 and llm.scheduler.running[0].num_computed == 4096:    # 4,096 in cache
+                local = sum(b != bm.local.null_block for b in bm.local.tables[sid])
+                held = (len(table), local)
+    assert held == (256, 4), f"full and local blocks held at 4,096 tokens: {held}"
+    ratio = (2 * held[0] + 4 * held[1]) / (6 * 256)
+    assert ratio <= 1 / 3 + 2 / 3 * 64 / 4096, f"{ratio:.4f} of full attention's KV blocks"
+    full_per_token = 2 * 6 * cfg.n_kv_heads * cfg.head_dim * 4
+    assert llm.block_manager.num_blocks * 16 >= 2.5 * ((4 << 20) // full_per_token), "~3x the tokens"
