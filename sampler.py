@@ -1,10 +1,12 @@
 """
 sampler.py -- sampling that costs what a request asks for.
 
-The lesson: sampling is per request (temperature, top-k/p, min-p, penalties, a seed), yet it
+The lesson: sampling is per request (temperature, top-k/p, min-p, penalties, logit bias, a
+seed), yet it
 runs as ONE batched operation per step, each row paying only for what it asks: greedy rows are
 one argmax (no sort, softmax or noise); top-k rows pay for a topk, top-p < 1 for a sort,
-penalties for counting their history. Each sampled row draws with ONE uniform, by inverse CDF.
+penalties for counting their history, a logit bias for its few entries. Each sampled row
+draws with ONE uniform, by inverse CDF.
 
 The uniforms are counter-based, a pure function u = hash(key, output position, stream) like
 JAX's or Philox's counters (a per-request torch.Generator is sequential state: one launch per
@@ -56,6 +58,7 @@ class SamplingParams:
     repetition_penalty: float = knob(1.0, ge=0.01, le=100)
     presence_penalty: float = knob(0.0, ge=-2, le=2)
     frequency_penalty: float = knob(0.0, ge=-2, le=2)
+    logit_bias: dict[int, float] | None = knob(None, items=1024, ge=-100, le=100)   # id -> + logit
 
     GREEDY_BELOW = 1e-5         # temperatures this small are greedy (logits / 1e-30 would overflow)
 
@@ -67,8 +70,9 @@ class SamplingParams:
     greedy = property(lambda self: self.temperature < self.GREEDY_BELOW)
 
     @property
-    def penalized(self) -> bool:        # if not, nothing is counted for this request
-        return (self.repetition_penalty, self.presence_penalty, self.frequency_penalty) != (1, 0, 0)
+    def penalized(self) -> bool:        # if not, nothing is counted (or biased) for this request
+        pens = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        return pens != (1, 0, 0) or bool(self.logit_bias)
 
 
 # --- Counter-based noise -----------------------------------------------------
@@ -255,10 +259,11 @@ def _sample_rows(logits, reqs, ridx, d, n):
 
 
 def penalize(logits, reqs: list[SampleRequest], ridx):
-    """logits with the rows ridx [S, K+1] of S sequences penalized (vLLM's rule): a token seen in
-    the prompt or output has its logit divided by repetition_penalty if > 0, else multiplied by it;
-    then logit -= presence * (count > 0) + frequency * count, counting OUTPUT tokens. Verification
-    row j also counts drafts 0..j-1: each position sees its own history, so verifying is exact."""
+    """logits with the rows ridx [S, K+1] of S sequences biased and penalized (vLLM's rules): each
+    logit_bias[id] added to its token's logit; a token seen in the prompt or output has its logit
+    divided by repetition_penalty if > 0, else multiplied by it; then logit -= presence * (count
+    > 0) + frequency * count, counting OUTPUT tokens. Verification row j also counts drafts
+    0..j-1: each position sees its own history, so verifying is exact."""
     (S, K1), V, dev = ridx.shape, logits.shape[1], logits.device
 
     def count(parts):    # [len(parts), V]: how often each part holds each token (one scatter-add)
@@ -274,6 +279,10 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
     n = count([r.token_ids[len(r.token_ids) - r.position:] for r in reqs]).view(S, 1, V) \
         + count([r.drafts[:j] for r in reqs for j in range(K1)]).view(S, K1, V)   # + drafts before
     x = logits[torch.as_tensor(ridx, device=dev)]                                  # [S, K+1, V]
+    for s, r in enumerate(reqs):       # logit_bias first (vLLM's order), on every verified row
+        if r.params.logit_bias:
+            bias = to_device(list(r.params.logit_bias.values()), dev, x.dtype)
+            x[s, :, list(r.params.logit_bias)] += bias
     seen = n > 0
     rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)
     x = torch.where(x > 0, x / rep, x * rep)

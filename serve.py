@@ -49,11 +49,12 @@ from starlette.concurrency import run_in_threadpool
 from engine import LLM, EngineConfig
 from sampler import SamplingParams
 from support.checks import check_seats
-from support.schema import Message, StreamOptions, request_models, sampling_fields
+from support.schema import Message, StreamOptions, request_models, sampling_fields, unsupported
 from support.server import (APIError, Metrics, Reply, Server, check_limits, check_model,
                             check_prompts, checked, engine_config, error_json, exposure_warning,
                             http_limits, one_shot, prompt_text, serve_arguments,
-                            serve_until_signal, shutting_down, side_routes, utf8)
+                            serve_until_signal, shutting_down, side_routes, token_keyed,
+                            utf8)
 
 # What a request may say: OpenAI's bodies, whose sampling fields are SamplingParams' own
 # fields with their types (support/schema.py); their ranges SamplingParams checks itself.
@@ -251,6 +252,9 @@ def sampling_params(llm: LLM, body, chat: bool, prompts: list, cap: int | None) 
                        f"in the prompt and {mt_name} asks for {max_tokens} more "
                        f"({longest + max_tokens} in all); ask for at most {room}",
                        mt_name, "context_length_exceeded")
+    refused = unsupported(body, chat)      # a documented field set to what this server lacks
+    if refused:
+        raise APIError(400, refused[1], refused[0])
     if chat and body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     k = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
@@ -264,6 +268,7 @@ def sampling_params(llm: LLM, body, chat: bool, prompts: list, cap: int | None) 
         "top_k": 0 if body.top_k in (None, -1) else min(body.top_k, llm.config.vocab_size),
         "stop": [utf8(s, "stop") for s in ([stop] if isinstance(stop, str) else stop)],
         "prompt_logprobs": k if not chat and body.echo else None,   # echo: the prompt's too
+        "logit_bias": token_keyed(body.logit_bias, "logit_bias", llm.config.vocab_size),
     }
     api_names = {"max_tokens": mt_name, "logprobs": "top_logprobs" if chat else "logprobs",
                  "prompt_logprobs": "logprobs"}

@@ -23,9 +23,11 @@ Both are trained in by the papers that propose them (DeepSeek-V2, Brandon et al.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
+import platform
 import sys
 
 import torch
@@ -129,11 +131,14 @@ def main(argv=None):
     for r in rows:
         print(f"| {r['variant']} | {r['values_per_token']:,} | {r['bytes_per_token_bf16'] / 1024:.1f} | "
               f"{r['kv_vs_gqa']:.0%} | {r['ppl']:.2f} | {r['ppl_change']:+.1%} |")
-    if args.json:
+    if args.json:                  # a bench results file: its "meta", then this script's entry
+        meta = {"device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)", "dtype": "float32",
+                "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "model": os.path.basename(str(path).rstrip("/")), "command": "python scripts/kv_conversion.py "
+                + " ".join(argv if argv is not None else sys.argv[1:])}
         with open(args.json, "w") as f:
-            json.dump({"model": os.path.basename(str(path).rstrip("/")), "eval_tokens": len(ids),
-                       "calibration_tokens": len(calib), "command": "python scripts/kv_conversion.py " + " ".join(
-                           argv if argv is not None else sys.argv[1:]), "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "kv-conversion": {"eval_tokens": len(ids), "calibration_tokens": len(calib),
+                                                       "rows": rows}}, f, indent=1)
 
 
 if __name__ == "__main__":

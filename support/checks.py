@@ -84,6 +84,8 @@ def _describe(kind, b) -> str:
     """What a value of annotation `kind` within the bounds `b` must be, for an error message."""
     if "choices" in b:
         return " or ".join(map(repr, b["choices"]))
+    if typing.get_origin(kind) is dict:
+        return f"a map of at most {b['items']} token ids to numbers{_interval(b)}"
     if typing.get_origin(kind) is list:
         item = typing.get_args(kind)[0]
         chars = f" of 1 to {b['chars']} characters" if "chars" in b else ""
@@ -109,6 +111,10 @@ def _fits(value, kind, b) -> bool:
         item = typing.get_args(kind)[0]
         return (isinstance(value, list) and len(value) <= b["items"]
                 and all(_fits(v, item, b) for v in value))
+    if typing.get_origin(kind) is dict:          # token id (>= 0) -> a value within the bounds
+        key, item = typing.get_args(kind)
+        return (isinstance(value, dict) and len(value) <= b["items"]
+                and all(_fits(k, key, {"ge": 0}) and _fits(v, item, b) for k, v in value.items()))
     if kind is int:
         return is_int(value) and _within(value, b)
     if kind is float:
@@ -163,6 +169,8 @@ def check_request(ids, params, params_type, cfg, max_len: int, max_num_seqs: int
     if not (isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids)):
         raise TypeError("a prompt is a string or a list of token ids")
     ids = check_token_ids(list(ids), cfg.vocab_size)
+    if getattr(params, "logit_bias", None) and max(params.logit_bias) >= cfg.vocab_size:
+        raise ValueError(f"SamplingParams.logit_bias: token ids must be in [0, {cfg.vocab_size})")
     where = "context" if max_len == cfg.max_seq_len else "KV cache pool"
     check_prompt_length(len(ids), max_len, where)
     check_seats(params.n, max_num_seqs)     # its n samples run side by side

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 # SamplingParams' fields the API spells its own way, per endpoint: chat's logprobs is a
 # bool with top_logprobs beside it; completions score the prompt with echo + logprobs.
-API_SPELLED = ("logprobs", "prompt_logprobs")
+API_SPELLED = ("logprobs", "prompt_logprobs", "logit_bias")   # logit_bias: JSON keys are strings
 
 
 class Schema(BaseModel):
@@ -34,6 +34,7 @@ class Schema(BaseModel):
 
 class StreamOptions(Schema):
     include_usage: bool | None = None         # a last chunk with the token counts
+    include_obfuscation: bool | None = None   # OpenAI's padding against length side channels: none
     continuous_usage_stats: bool | None = None   # vLLM's: with include_usage, counts in every chunk
 
 
@@ -55,19 +56,64 @@ def sampling_fields(params_type) -> dict:
             if f.name not in API_SPELLED}
 
 
+# Every field of the OpenAI API's request types (the `openai` package's CompletionCreateParams
+# and chat's, 3.51: tests/test_serve.py compares) is accepted by name: a client that sends one at
+# its default must not get "extra inputs are not permitted". A field this server does not
+# implement is accepted at null or at the values that ask for nothing, and refused by name with
+# a 400 otherwise: a request is never served without what it asked for, silently.
+NOTHING = {                                # field: (values that ask for nothing, why not more)
+    "suffix": ((None, ""), "text after the completion (insertion) is not implemented"),
+    "audio": ((None,), "audio output is not implemented"),
+    "modalities": ((None, ["text"]), "only text comes out"),
+    "function_call": ((None, "none"), "function calling is not implemented"),
+    "functions": ((None, []), "function calling is not implemented"),
+    "tools": ((None, []), "tool calling is not implemented"),
+    "tool_choice": ((None, "none"), "tool calling is not implemented"),
+    "prediction": ((None,), "predicted outputs are not implemented"),
+    "reasoning_effort": ((None,), "this model does not reason before answering"),
+    "verbosity": ((None,), "verbosity is not implemented"),
+    "web_search_options": ((None,), "web search is not implemented"),
+    "moderation": ((None,), "moderation is not implemented"),
+    "response_format": ((None, {"type": "text"}), "structured outputs (json_object, "
+                        "json_schema) are not implemented yet"),
+    "store": ((None, False), "completions are not stored"),
+    "service_tier": ((None, "auto", "default"), "one service tier"),
+    "prompt_cache_retention": ((None,), "the prefix cache keeps blocks while memory allows"),
+}
+# Accepted as sent: they change nothing this server returns (hints, labels, one tier of cache).
+HINTS = ("metadata", "parallel_tool_calls", "prompt_cache_key", "prompt_cache_options",
+         "safety_identifier")
+CHAT_ONLY = tuple(f for f in NOTHING if f != "suffix")         # completions' own: suffix
+
+
+def unsupported(body, chat: bool) -> tuple[str, str] | None:
+    """(field, message) for the first field set to what this server does not do; else None."""
+    for name, (nothing, why) in NOTHING.items():
+        value = getattr(body, name, None)
+        if value not in nothing:
+            return name, f"'{name}' is not supported by this server: {why}; send null or omit it"
+    best_of, n = getattr(body, "best_of", None), body.n or 1
+    if best_of is not None and best_of != n:     # vLLM's rule: every sample drawn is returned
+        return "best_of", f"'best_of' must equal n ({n}): every sample drawn is returned"
+    return None
+
+
 def request_models(params_type) -> tuple[type, type]:
     """(CompletionRequest, ChatRequest): the bodies of the two generation endpoints."""
     sampling = create_model("Sampling", __base__=Schema, model=(str | None, None),
                             stream=(bool | None, None), stream_options=(StreamOptions | None, None),
-                            user=(str | None, None), **sampling_fields(params_type))
+                            user=(str | None, None), logit_bias=(dict[str, Any] | None, None),
+                            **sampling_fields(params_type))
     completion = create_model(
         "CompletionRequest", __base__=sampling,
         prompt=(str | list[str] | list[int] | list[list[int]], ...),   # one prompt, or a list
         echo=(bool | None, None),         # each choice's text (and logprobs) starts with its prompt
-        logprobs=(int | None, None))      # each token's logprob and its k likeliest alternatives
+        logprobs=(int | None, None),      # each token's logprob and its k likeliest alternatives
+        best_of=(int | None, None), suffix=(str | None, None))
+    documented = {f: (Any, None) for f in CHAT_ONLY + HINTS}       # JSON of any shape, or null
     chat = create_model(
         "ChatRequest", __base__=sampling,
         messages=(list[Message], Field(min_length=1)),
         max_completion_tokens=(int | None, None),   # OpenAI's newer name for max_tokens
-        logprobs=(bool | None, None), top_logprobs=(int | None, None))
+        logprobs=(bool | None, None), top_logprobs=(int | None, None), **documented)
     return completion, chat

@@ -149,6 +149,20 @@ def utf8(text: str, param: str) -> str:
     return text
 
 
+def token_keyed(mapping, param: str, vocab_size: int):
+    """OpenAI's {"token id as text": value} (JSON keys are strings) -> {id: value}; None stays."""
+    if mapping is None:
+        return None
+    try:
+        out = {int(k): v for k, v in mapping.items()}
+    except ValueError:
+        out = {-1: None}
+    if any(not 0 <= k < vocab_size for k in out):
+        raise APIError(400, f"{param!r} maps token ids (integers in [0, {vocab_size}), as JSON "
+                       f"strings) to numbers", param)
+    return out
+
+
 def prompt_text(llm, text: str, param: str) -> str:
     """A prompt's text (or a chat's messages'), checked before any tokenizer work: UTF-8, no more
     bytes than the context's tokens can hold, no character the vocabulary would drop

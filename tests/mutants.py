@@ -230,6 +230,15 @@ BUGS = [
     Bug("sampler", "sampler.py", "logprobs computed from temperature-scaled logits",
         "logp = logits[to_device(ridx, logits.device)].log_softmax(dim=-1)",
         "logp = (logits[to_device(ridx, logits.device)] / 0.7).log_softmax(dim=-1)"),
+    Bug("sampler", "sampler.py", "logit_bias subtracted instead of added",
+        "x[s, :, list(r.params.logit_bias)] += bias", "x[s, :, list(r.params.logit_bias)] -= bias"),
+    Bug("sampler", "sampler.py", "logit_bias on the first verified row only (drafts judged unbiased)",
+        "x[s, :, list(r.params.logit_bias)] += bias", "x[s, :1, list(r.params.logit_bias)] += bias"),
+    Bug("sampler", "sampler.py", "a request with logit_bias but no penalty is never biased",
+        "return pens != (1, 0, 0) or bool(self.logit_bias)", "return pens != (1, 0, 0)"),
+    Bug("sampler", "sampler.py", "logit_bias after the repetition penalty (vLLM biases first)",
+        '    for s, r in enumerate(reqs):       # logit_bias first (vLLM\'s order), on every verified row\n        if r.params.logit_bias:\n            bias = to_device(list(r.params.logit_bias.values()), dev, x.dtype)\n            x[s, :, list(r.params.logit_bias)] += bias\n    seen = n > 0\n    rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)\n    x = torch.where(x > 0, x / rep, x * rep)\n',
+        '    seen = n > 0\n    rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)\n    x = torch.where(x > 0, x / rep, x * rep)\n    for s, r in enumerate(reqs):       # logit_bias first (vLLM\'s order), on every verified row\n        if r.params.logit_bias:\n            bias = to_device(list(r.params.logit_bias.values()), dev, x.dtype)\n            x[s, :, list(r.params.logit_bias)] += bias\n'),
 
     # ------------------------------------------------------------ mla-absorb (model.py)
     Bug("mla-absorb", "model.py", "softmax scale of the latent's width 1/sqrt(r + R), not the heads' 1/sqrt(nope + R)",

@@ -8,7 +8,8 @@ To pass, implement:
   * filtered_probs: temperature, then min-p, top-k, then top-p per row
     (vLLM's order, against a direct reference), and draw: the inverse CDF of
     (unnormalized) rows with one uniform per row, never a zero-probability token;
-  * penalize: vLLM's penalties (repetition over prompt and output; presence
+  * penalize: logit_bias added first (every row of a verification), then
+    vLLM's penalties (repetition over prompt and output; presence
     and frequency over the output), row j of a verification counting drafts
     0..j-1 too, so greedy tokens equal a naive loop of dense forward passes
     and verification stays exact;
@@ -272,6 +273,40 @@ def test_penalized_verification_rows_see_their_own_history():
         reqs = [SampleRequest(0, drafts, q, 3, len(output), prompt + output) for q in (p, top1)]
         for (got, _, _), how in zip(sample_tokens(logits, reqs), ("greedy", "sampled with top_k=1")):
             assert got == want, f"trial {trial}, {how}, drafts {drafts}: got {got}, one position at a time {want}"
+
+
+@pytest.mark.assignment("sampler")
+def test_logit_bias_is_added_before_the_penalties_on_every_verified_row():
+    """SamplingParams.logit_bias {id: b}: sample_tokens gives exactly the tokens of the same request
+    without it on logits with b added by hand (greedy and seeded sampling; drafts to verify, whose
+    acceptance the bias decides; with and without penalties, which come after the bias as in vLLM);
+    {id: 100} forces the token, {id: -100} never lets it out."""
+    torch.manual_seed(3)
+    V, prompt, output = 40, [1, 2, 3], [4, 5]
+    for trial in range(24):
+        K = trial % 3
+        logits = torch.randn(K + 1, V)
+        drafts = logits[:K].argmax(-1).tolist()             # the raw argmaxes: the bias decides
+        bias = {int(t): float(b) for t, b in zip(torch.randperm(V)[:6], torch.randn(6) * 4)}
+        pens = dict(repetition_penalty=1.3, presence_penalty=0.5) if trial % 2 else {}
+        by_hand = logits.clone()
+        by_hand[:, list(bias)] += torch.tensor(list(bias.values()))
+        for temp in (0.0, 0.8):
+            got, want = (sample_tokens(x, [SampleRequest(0, drafts, SamplingParams(
+                temperature=temp, seed=5, logit_bias=b, **pens), 3, len(output), prompt + output)])[0][0]
+                for x, b in ((logits, bias), (by_hand, None)))
+            assert got == want, f"trial {trial}, T {temp}, {pens}: {got} with logit_bias, {want} with it added by hand"
+    logits = torch.randn(3, V)
+    top = int(logits[0].argmax())
+    force, ban = ({7: 100.0}, {top: -100.0})
+    assert [t for row in range(3) for t in sample_tokens(logits, [ask(row, SamplingParams(logit_bias=force))])[0][0]] \
+        == [7, 7, 7], "logit_bias {7: 100} makes 7 the greedy choice"
+    assert sample_tokens(logits, [ask(0, SamplingParams(logit_bias=ban))])[0][0] != [top], "{top: -100} bans it"
+    row = torch.full((1, V), -5.0)                  # the order: bias, then the repetition penalty
+    row[0, 1], row[0, 9] = 1.0, 2.5                 # token 1 is in the prompt, 9 is not
+    got = sample_tokens(row, [SampleRequest(0, [], SamplingParams(logit_bias={1: 2.0}, repetition_penalty=1.3),
+                                            3, 0, [1, 2, 3])])[0][0]
+    assert got == [9], "bias first: (1 + 2) / 1.3 = 2.31 < 2.5 (the penalty first would give 1 / 1.3 + 2 = 2.77)"
 
 
 def penalized_batch(llm):

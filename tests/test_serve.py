@@ -1704,3 +1704,47 @@ def test_chat_content_as_text_parts_equals_the_joined_string(server):
     assert status == 200 and parts["choices"][0]["message"] == whole["choices"][0]["message"]
     assert parts["usage"] == whole["usage"]
     assert_error(*ask([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]), 400, param="messages")
+
+
+# Values that ask for what this server does not do, one per documented field it does not implement.
+SOMETHING = {"suffix": "!", "audio": {"voice": "alloy", "format": "wav"},
+             "modalities": ["text", "audio"], "function_call": "auto", "functions": [{"name": "f"}],
+             "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+             "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
+             "web_search_options": {}, "moderation": {"model": "x"}, "store": True, "service_tier": "flex",
+             "response_format": {"type": "json_object"}, "prompt_cache_retention": "24h"}
+
+
+def test_every_documented_openai_field_is_accepted_at_null_and_named_when_unsupported(server):
+    """Every field of the openai package's request types (CompletionCreateParams and chat's): sent at
+    null, the request is served (no "extra inputs are not permitted"); a field this server does not
+    implement, set to something, is a 400 naming it; hints (metadata, prompt_cache_key, ...) work as
+    sent; best_of = n is served, best_of != n named; stream_options as the client sends them."""
+    from openai.types import completion_create_params as completion_types
+    from openai.types.chat import completion_create_params as chat_types
+    for path, types, base in (("/v1/completions", completion_types, {"prompt": "Hello", "max_tokens": 2}),
+                              ("/v1/chat/completions", chat_types,
+                               {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})):
+        fields = set(types.CompletionCreateParamsBase.__annotations__) | {"stream"}
+        for name in sorted(fields - set(base)):
+            status, out = request(server, "POST", path, {**base, name: None})
+            assert status == 200, f"{path}: {name}: null refused: {out}"
+        for name in sorted(fields & set(SOMETHING)):
+            status, out = request(server, "POST", path, {**base, name: SOMETHING[name]})
+            error = assert_error(status, out, 400, name)
+            assert "not supported" in error["message"], (name, error)
+    hints = {"metadata": {"run": "7"}, "parallel_tool_calls": False, "prompt_cache_key": "k",
+             "safety_identifier": "u1", "user": "u1", "store": False, "service_tier": "auto",
+             "response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "modalities": ["text"],
+             "stream_options": {"include_usage": True, "include_obfuscation": False}, "stream": True}
+    status, _ = request(server, "POST", "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2, **hints})
+    assert status == 200, "the fields that ask for nothing (or are hints) are served"
+    status, out = request(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 2, "best_of": 2})
+    assert status == 200 and len(out["choices"]) == 2, out
+    assert_error(*request(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "best_of": 3}), 400, "best_of")
+    # logit_bias, OpenAI's shape (token ids as JSON strings): +100 forces a token, and bad maps are named
+    status, out = request(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "logit_bias": {"42": 100}})
+    assert status == 200 and out["choices"][0]["text"] == server.engine.llm.tokenizer.decode([42] * 4), out
+    for bad in ({"x": 1}, {"42": 101}, {"42": "a"}, {str(10**9): 1}):
+        assert_error(*request(server, "POST", "/v1/completions", {"prompt": "Hi", "logit_bias": bad}), 400, "logit_bias")

@@ -508,3 +508,23 @@ def test_sampled_drafts_of_the_target_itself_are_always_accepted(tiny_path):
     assert llm.stats["draft_tokens"] > 10 and llm.stats["accepted_tokens"] == llm.stats["draft_tokens"], \
         f"accepted {llm.stats['accepted_tokens']} of {llm.stats['draft_tokens']} drafts of a perfect draft model"
     assert_no_leak(llm)
+
+
+@pytest.mark.needs("engine", "sampler", "ngram-drafter")
+def test_logit_bias_holds_under_speculation(tiny_path):
+    """logit_bias through the engine: greedy with n-gram drafts equals greedy without (the verified
+    rows are biased, so a draft the bias demotes is rejected), a -100 token never comes out, the
+    bias changes the text, and +100 forces a token whose repeats the drafter proposes and the
+    verification accepts."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    spec = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=3)
+    prompt = llm.tokenizer.encode("a b c a b c a b c a b")
+    plain = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+    bias = {plain[2]: -100.0, plain[5]: 3.0}
+    p = SamplingParams(max_tokens=16, ignore_eos=True, logit_bias=bias)
+    biased, drafted = (e.generate([prompt], p)[0].token_ids for e in (llm, spec))
+    assert drafted == biased, "n-gram speculation changed a biased greedy output"
+    assert plain[2] not in biased and biased != plain, (plain, biased)
+    force = SamplingParams(max_tokens=16, ignore_eos=True, logit_bias={plain[5]: 100.0})   # t t t ...: drafts
+    assert spec.generate([prompt], force)[0].token_ids == [plain[5]] * 16 == llm.generate([prompt], force)[0].token_ids
+    assert spec.stats["accepted_tokens"] > 0, "the drafter's repeats were meant to be accepted"
