@@ -1715,6 +1715,7 @@ SOMETHING = {"suffix": "!", "audio": {"voice": "alloy", "format": "wav"},
              "response_format": {"type": "json_object"}, "prompt_cache_retention": "24h"}
 
 
+@pytest.mark.needs("engine", "sampler")      # logit_bias goes through the sampler's penalize
 def test_every_documented_openai_field_is_accepted_at_null_and_named_when_unsupported(server):
     """Every field of the openai package's request types (CompletionCreateParams and chat's): sent at
     null, the request is served (no "extra inputs are not permitted"); a field this server does not
