@@ -410,7 +410,7 @@ def make_server(llm: LLM, host: str = "127.0.0.1", port: int = 8000, max_waiting
     cap = 1 if max_request_tokens is None else max_request_tokens
     check_limits(max_waiting=max_waiting, max_request_tokens=cap)
     # untyped bodies are JSON too (strict_content_type=False)
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, strict_content_type=False)
+    app = FastAPI(redoc_url=None, strict_content_type=False)     # /docs, /openapi.json: the schema
     # side_routes: /v1/models, /tokenize, /health, /metrics ... (support/server.py)
     server = Server(app, host, port, (router, side_routes), **http_limits)
     app.state.engine = server.engine = Engine(llm, max_waiting)

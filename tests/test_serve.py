@@ -1749,3 +1749,14 @@ def test_every_documented_openai_field_is_accepted_at_null_and_named_when_unsupp
     assert status == 200 and out["choices"][0]["text"] == server.engine.llm.tokenizer.decode([42] * 4), out
     for bad in ({"x": 1}, {"42": 101}, {"42": "a"}, {str(10**9): 1}):
         assert_error(*request(server, "POST", "/v1/completions", {"prompt": "Hi", "logit_bias": bad}), 400, "logit_bias")
+
+
+def test_the_server_describes_itself(server):
+    """GET /openapi.json: the request models' schema (every documented field among the body's
+    properties); GET /docs: FastAPI's page over it."""
+    status, spec = request(server, "GET", "/openapi.json")
+    assert status == 200 and {"/v1/completions", "/v1/chat/completions"} <= set(spec["paths"]), spec.get("paths")
+    chat = spec["components"]["schemas"]["ChatRequest"]["properties"]
+    assert {"messages", "max_completion_tokens", "logit_bias", "tools", "response_format", "metadata"} <= set(chat)
+    status, page = request(server, "GET", "/docs")
+    assert status == 200 and "openapi.json" in page, str(page)[:200]
