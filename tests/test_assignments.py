@@ -173,12 +173,14 @@ def test_the_grade_is_the_same_on_two_processes(student, tmp_path):
 
 @pytest.mark.timeout(1800)
 def test_check_passes_on_cheap_assignments():
-    code, out = run(["tests/assignments.py", "check", "--only", ",".join(CHEAP), "--", *SELECTION], ROOT,
+    cheap = [a for a in CHEAP if a != "ngram-drafter"]          # two suffice, on two files: faster
+    files = [f for f in SELECTION if f != "tests/test_speculative.py"]
+    code, out = run(["tests/assignments.py", "check", "--only", ",".join(cheap), "--", *files], ROOT,
                     timeout=1800)
     assert code == 0, out
     lines = out.splitlines()
     assert "(nothing blanked)" in lines[1] and " ok " in lines[1]
-    for name, line in zip(CHEAP, lines[2:]):
+    for name, line in zip(cheap, lines[2:]):
         assert line.startswith(name) and " ok " in line and "own tests fail with its NotImplementedError" in line
     assert lines[-1].startswith("check: ok")
 

@@ -386,6 +386,25 @@ def test_cuda_graph_engine_gives_the_eager_tokens(tiny_path, speculative):
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.needs("engine", "mla-absorb")
+def test_cuda_graph_engine_runs_mla_latents_in_place():
+    """random:deepseek-mla-tiny on the simulated CUDA path: the latent cache read in place with
+    the heads' scale (no Triton kernel for MLA), requests joining and finishing at different steps,
+    every step a graph replay, the eager engine's greedy tokens."""
+    from cuda_sim import simulate_cuda
+    prompts = [[5, 6, 7, 8] * 5, list(range(100, 110)) * 3, [42] * 5, [9, 8, 7, 6]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 12, 16, 9)]
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=2, kv_cache_bytes=1 << 16, block_size=16,
+              max_num_batched_tokens=16)
+    eager = run_staggered(LLM("random:deepseek-mla-tiny", **kw), prompts, params)
+    with simulate_cuda() as sim:
+        llm = LLM("random:deepseek-mla-tiny", compile=True, **kw)
+        outs = run_staggered(llm, prompts, params)
+    assert outs == eager, "the CUDA-graph MLA engine changed a greedy output"
+    assert llm.stats["eager_steps"] == 0 and llm.stats["graph_steps"] == llm.stats["steps"] == sim.replays > 0
+
+
 def _forgets_the_static_copy(monkeypatch):
     """A decoder whose step reads its inputs where this step's copy put them, new tensors each
     step, instead of copying them into the static buffers a graph was recorded on."""
