@@ -478,8 +478,8 @@ def local_pool(cfg, c, dtype) -> tuple[int, int]:
     if not cfg.global_every:
         return 0, 0
     check_local_global(cfg, c)
-    seat = -(-cfg.sliding_window // c.block_size) + 2
-    blocks = 1 + c.max_num_seqs * seat + -(-c.max_num_batched_tokens // c.block_size)
+    cdiv = lambda a: -(-a // c.block_size)                                   # noqa: E731
+    blocks = 1 + c.max_num_seqs * (cdiv(cfg.sliding_window) + 2) + cdiv(c.max_num_batched_tokens)
     local = dataclasses.replace(cfg, n_layers=cfg.n_layers - cfg.kv_layers, global_every=0)
     return blocks, blocks * c.block_size * kv_cache_bytes(local, dtype)
 
@@ -524,9 +524,8 @@ class HybridBlockManager(BlockManager):
             self.local.truncate(seq_id, full_hit)
         return full_hit
 
-    def can_append(self, seq_id: int, start: int, count: int) -> bool:
-        mine = super().can_append(seq_id, start, count)
-        return mine and self.local.can_append(seq_id, start, count)
+    def can_append(self, *args) -> bool:                 # (seq_id, start, count): both have room
+        return super().can_append(*args) and self.local.can_append(*args)
 
     def reserve(self, seq_id: int, start: int, count: int):
         super().reserve(seq_id, start, count)

@@ -155,8 +155,7 @@ class HybridContext:
     """One step over both pools: layer i attends through its pool's context (HybridInputs)."""
 
     def __init__(self, contexts, where: dict):
-        self.contexts, self.where = contexts, where
-        self.logits_indices = contexts[0].logits_indices
+        self.contexts, self.where, self.logits_indices = contexts, where, contexts[0].logits_indices
 
     def attend(self, layer: int, q, k, v, scale=None):
         group, index = self.where[layer]

@@ -67,16 +67,14 @@ class ModelConfig:
         """Layers whose K/V the cache holds for a token's whole life: one per group of cla_share
         (CLA); with local + global layers only the global ones (cache.HybridCache keeps the local
         ones' last W tokens apart); else every layer."""
-        if self.global_every:
-            return self.n_layers // self.global_every
-        return -(-self.n_layers // self.cla_share)
+        L = self.n_layers                       # (global layers: L // N; CLA: ceil(L / S))
+        return L // self.global_every if self.global_every else -(-L // self.cla_share)
 
     def window_of(self, layer_idx: int) -> int | None:
         """The window layer `layer_idx` attends within: global_every = N makes every N-th layer
         global (Gemma's (i + 1) % N == 0: it sees every position), the rest local (the last W)."""
-        if self.global_every and (layer_idx + 1) % self.global_every == 0:
-            return None
-        return self.sliding_window
+        is_global = self.global_every and (layer_idx + 1) % self.global_every == 0
+        return None if is_global else self.sliding_window
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":

@@ -280,9 +280,8 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
         + count([r.drafts[:j] for r in reqs for j in range(K1)]).view(S, K1, V)   # + drafts before
     x = logits[torch.as_tensor(ridx, device=dev)]                                  # [S, K+1, V]
     for s, r in enumerate(reqs):       # logit_bias first (vLLM's order), on every verified row
-        if r.params.logit_bias:
-            bias = to_device(list(r.params.logit_bias.values()), dev, x.dtype)
-            x[s, :, list(r.params.logit_bias)] += bias
+        if bias := r.params.logit_bias:
+            x[s, :, list(bias)] += to_device(list(bias.values()), dev, x.dtype)
     seen = n > 0
     rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)
     x = torch.where(x > 0, x / rep, x * rep)

@@ -97,28 +97,23 @@ class Scheduler:
 
     def _schedule_once(self) -> list[ScheduledSeq]:
         """One pass within the token budget (max_num_batched_tokens) and the seats (max_num_seqs),
-        each sequence at most once, each with its blocks reserved (BlockManager.reserve):
-        (1) every decoding sequence (remaining == 1), oldest first: 1 + len(draft_tokens) tokens;
-            drafts that do not fit the budget left are dropped (1 token); while the pool cannot
-            hold its slots, the NEWEST running sequence is preempted (itself, if it is the newest);
-        (2) every other running sequence (a prompt being prefilled): a chunk of what fits the
-            budget and the free blocks (_fit), none if nothing fits;
-        (3) waiting sequences in arrival order, never skipping one: admitted while the budget
-            lasts and the seats hold it (a prompt of n > 1 samples takes n seats: _seats; count
-            the seats of every running sequence the same way), its blocks allocated with the
-            prefix cache (BlockManager.allocate; use_prefix_cache=False while its request still
-            scores its prompt: prompt_logprobs), then a chunk that fits (_fit; nothing fits: free
-            its blocks and stop admitting). An admitted sequence becomes RUNNING, num_computed =
-            the cached tokens; its request's metrics get first_scheduled_time and cached_tokens
-            on its first admission only.
-        Returns the ScheduledSeq of each, in that order."""
+        each sequence at most once, each with its blocks reserved (BlockManager.reserve), in three
+        phases: (1) _decodes, (2) _prefills, (3) _admit. Returns the ScheduledSeq of each, in that
+        order."""
         # assignment: scheduler-step
         # The token budget bounds one forward pass: decode tokens are cheap (memory-bound), prefill
         # tokens are compute; chunked prompts keep each step short, so no decode stalls behind one.
-        budget = self.max_num_batched_tokens
-        out: list[ScheduledSeq] = []
+        out: list[ScheduledSeq] = []            # (1), then (2) and (3) with the budget each left
+        self._admit(out, self._prefills(out, self._decodes(out, self.max_num_batched_tokens)))
+        return out
+        # end assignment
 
-        # (1) decoding sequences, oldest first: 1 token (+ drafts) each.
+    def _decodes(self, out: list, budget: int) -> int:
+        """(1) every decoding sequence (remaining == 1), oldest first: 1 + len(draft_tokens) tokens;
+        drafts that do not fit the budget left are dropped (1 token); while the pool cannot hold
+        its slots, the NEWEST running sequence is preempted (itself, if it is the newest). Each is
+        appended to `out`; returns the budget left."""
+        # assignment: scheduler-step
         for seq in [s for s in self.running if s.remaining == 1]:
             if seq.status != RUNNING:            # preempted below as a victim
                 continue
@@ -138,9 +133,15 @@ class Scheduler:
             self.bm.reserve(seq.seq_id, seq.num_computed, count)
             out.append(ScheduledSeq(seq, seq.num_computed, count))
             budget -= count
-        scheduled = {item.seq for item in out}
+        return budget
+        # end assignment
 
-        # (2) running sequences in the middle of a chunked prefill.
+    def _prefills(self, out: list, budget: int) -> int:
+        """(2) every other running sequence (a prompt being prefilled, not in `out` yet): a chunk
+        of what fits the budget and the free blocks (_fit), none if nothing fits. Appended to
+        `out`; returns the budget left."""
+        # assignment: scheduler-step
+        scheduled = {item.seq for item in out}
         for seq in [s for s in self.running if s not in scheduled]:
             count = self._fit(seq, seq.num_computed, min(seq.remaining, budget))
             if count == 0:
@@ -148,9 +149,21 @@ class Scheduler:
             self.bm.reserve(seq.seq_id, seq.num_computed, count)
             out.append(ScheduledSeq(seq, seq.num_computed, count))
             budget -= count
+        return budget
+        # end assignment
 
-        # (3) admit waiting sequences in arrival order (no skipping ahead). A seat is a sequence
-        # now or soon: a running prompt of n > 1 holds n (its samples fork when it is done).
+    def _admit(self, out: list, budget: int) -> None:
+        """(3) waiting sequences in arrival order, never skipping one: admitted while the budget
+        lasts and the seats hold it (a prompt of n > 1 samples takes n seats: _seats; count the
+        seats of every running sequence the same way), its blocks allocated with the prefix cache
+        (BlockManager.allocate; use_prefix_cache=False while its request still scores its prompt:
+        prompt_logprobs), then a chunk that fits (_fit; nothing fits: free its blocks and stop
+        admitting). An admitted sequence becomes RUNNING, num_computed = the cached tokens; its
+        request's metrics get first_scheduled_time and cached_tokens on its first admission only.
+        Each is appended to `out`."""
+        # assignment: scheduler-step
+        # A seat is a sequence now or soon: a running prompt of n > 1 holds n (its samples fork
+        # when it is done).
         seats = sum(self._seats(s) for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -173,7 +186,6 @@ class Scheduler:
             self.bm.reserve(seq.seq_id, cached, count)
             out.append(ScheduledSeq(seq, cached, count))
             budget -= count
-        return out
         # end assignment
 
     def fork(self, seq: Sequence, num_computed: int, tokenizer) -> list[Sequence]:

@@ -181,8 +181,9 @@ BUGS = [
         "count = self._fit(seq, seq.num_computed, seq.remaining)"),
     Bug("scheduler-step", "scheduler.py", "decode tokens are not charged to the step's token budget",
         "            out.append(ScheduledSeq(seq, seq.num_computed, count))\n            budget -= count\n"
-        "        scheduled",
-        "            out.append(ScheduledSeq(seq, seq.num_computed, count))\n        scheduled"),
+        "        return budget\n        # end assignment\n\n    def _prefills",
+        "            out.append(ScheduledSeq(seq, seq.num_computed, count))\n"
+        "        return budget\n        # end assignment\n\n    def _prefills"),
     Bug("scheduler-step", "scheduler.py", "seats counted as sequences: a prompt of n > 1 not yet forked holds one",
         "seats = sum(self._seats(s) for s in self.running)", "seats = len(self.running)"),
     Bug("scheduler-step", "scheduler.py", "seat limit off by one: max_num_seqs - 1 sequences run",
@@ -231,14 +232,14 @@ BUGS = [
         "logp = logits[to_device(ridx, logits.device)].log_softmax(dim=-1)",
         "logp = (logits[to_device(ridx, logits.device)] / 0.7).log_softmax(dim=-1)"),
     Bug("sampler", "sampler.py", "logit_bias subtracted instead of added",
-        "x[s, :, list(r.params.logit_bias)] += bias", "x[s, :, list(r.params.logit_bias)] -= bias"),
+        "x[s, :, list(bias)] += to_device(", "x[s, :, list(bias)] -= to_device("),
     Bug("sampler", "sampler.py", "logit_bias on the first verified row only (drafts judged unbiased)",
-        "x[s, :, list(r.params.logit_bias)] += bias", "x[s, :1, list(r.params.logit_bias)] += bias"),
+        "x[s, :, list(bias)] += to_device(", "x[s, :1, list(bias)] += to_device("),
     Bug("sampler", "sampler.py", "a request with logit_bias but no penalty is never biased",
         "return pens != (1, 0, 0) or bool(self.logit_bias)", "return pens != (1, 0, 0)"),
     Bug("sampler", "sampler.py", "logit_bias after the repetition penalty (vLLM biases first)",
-        '    for s, r in enumerate(reqs):       # logit_bias first (vLLM\'s order), on every verified row\n        if r.params.logit_bias:\n            bias = to_device(list(r.params.logit_bias.values()), dev, x.dtype)\n            x[s, :, list(r.params.logit_bias)] += bias\n    seen = n > 0\n    rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)\n    x = torch.where(x > 0, x / rep, x * rep)\n',
-        '    seen = n > 0\n    rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)\n    x = torch.where(x > 0, x / rep, x * rep)\n    for s, r in enumerate(reqs):       # logit_bias first (vLLM\'s order), on every verified row\n        if r.params.logit_bias:\n            bias = to_device(list(r.params.logit_bias.values()), dev, x.dtype)\n            x[s, :, list(r.params.logit_bias)] += bias\n'),
+        '    for s, r in enumerate(reqs):       # logit_bias first (vLLM\'s order), on every verified row\n        if bias := r.params.logit_bias:\n            x[s, :, list(bias)] += to_device(list(bias.values()), dev, x.dtype)\n    seen = n > 0\n    rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)\n    x = torch.where(x > 0, x / rep, x * rep)\n',
+        '    seen = n > 0\n    rep = torch.where(in_prompt | seen, param("repetition_penalty"), 1.0)\n    x = torch.where(x > 0, x / rep, x * rep)\n    for s, r in enumerate(reqs):       # logit_bias first (vLLM\'s order), on every verified row\n        if bias := r.params.logit_bias:\n            x[s, :, list(bias)] += to_device(list(bias.values()), dev, x.dtype)\n'),
 
     # ------------------------------------------------------------ mla-absorb (model.py)
     Bug("mla-absorb", "model.py", "softmax scale of the latent's width 1/sqrt(r + R), not the heads' 1/sqrt(nope + R)",
