@@ -111,10 +111,13 @@ class Bench:
 
     @staticmethod
     def progress(msg: str):
-        """One line, rewritten in place, on a terminal's stderr (the tables stay clean)."""
+        """One line, rewritten in place, on a terminal's stderr (the tables stay clean); with
+        NANOINFER_PROGRESS=1 (scripts/gpu_run.sh) a line each, so a log cut short says where it was."""
         if sys.stderr.isatty():
             sys.stderr.write("\r  " + msg[:110].ljust(110))
             sys.stderr.flush()
+        elif os.environ.get("NANOINFER_PROGRESS"):
+            print(f"  {time.strftime('%T')} {msg}", file=sys.stderr, flush=True)
 
     @staticmethod
     def done():

@@ -55,8 +55,9 @@ def variants(preset: str) -> list:
 
 
 def budget(preset: str, dtype, batch: int, context: int) -> int:
-    """The fixed KV budget: exactly `batch` sequences of `context` tokens of the preset's MHA variant."""
-    return kv_cache_bytes(model_config(variants(preset)[0][1])[0], dtype, batch * math.ceil(context / BLOCK) * BLOCK)
+    """The fixed KV budget: `batch` sequences of `context` tokens of the preset's MHA variant + the null block."""
+    blocks = batch * math.ceil(context / BLOCK) + 1        # + 1: a compiled engine keeps a null block
+    return kv_cache_bytes(model_config(variants(preset)[0][1])[0], dtype, blocks * BLOCK)
 
 
 def fit_batch(bm: BlockManager, context: int) -> int:
@@ -233,8 +234,7 @@ def plot(r: dict):
     for i, x in enumerate(tim):
         a2.annotate(f"KV {x['kv_share']:.0%} of bytes", (i, x["step_ms"]), textcoords="offset points", xytext=(0, 3),
                     ha="center", fontsize=8)
-    a2.set(ylabel="decode step (ms)", xlabel=f"attention ({r['timed_preset']})", ylim=(0, 1.15 * max(
-        x["step_ms"] for x in tim)))
+    a2.set(ylabel="decode step (ms)", xlabel=f"attention ({r['timed_preset']})", ylim=(0, 1.15 * max(x["step_ms"] for x in tim)))
     a2.set_title(f"batch {r['batch']} at a {r['timed_context']}-token context", fontsize=9)
     a2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2)   # below: no bar hidden
     a3.plot(w["full"]["tokens"], w["full"]["blocks"], "-", color="C0", label="full attention")

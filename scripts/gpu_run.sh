@@ -11,7 +11,7 @@ set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NANOINFER_PROGRESS=1   # a progress line each: a cut stage says where it was
 log="$OUT/log.txt"
 run() {   # run LIMIT CMD...: one stage, its output to the terminal and the log
     local limit=$1; shift

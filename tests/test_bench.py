@@ -416,7 +416,8 @@ def test_kv_compression_bytes_per_token_and_the_batch_that_fits(results):
         [("MHA", 32, 1, 0), ("GQA-8", 8, 1, 0), ("MQA", 1, 1, 0), ("GQA-8 + CLA-2", 8, 2, 0), ("MLA", 1, 1, 256)]
     cfg = read_config("random:llama-3.2-1b")
     assert (r["lecture_batch"], C, r["block_size"]) == (4, 128, 16)
-    assert r["lecture_budget_bytes"] == kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=32), 4) * 4 * 128
+    assert r["lecture_budget_bytes"] == kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=32), 4) * (4 * 128 + 16), \
+        "4 MHA sequences of 128 tokens and the null block"
     for x in lec.values():
         per_token = kv_bytes_per_token(read_config(x["model"]), 4)
         assert x["kv_bytes_per_token"] == x["pool_bytes_per_token"] == per_token, x
@@ -463,7 +464,7 @@ def test_kv_compression_timed_variants(results):
         assert x["bound_ms"] == pytest.approx((kv + x["weight_bytes"]) / bw * 1e3)
         assert x["step_ms"] > 0 and x["preemptions"] == 0
         assert x["fit_batch"] == x["pool_blocks"] // math.ceil(r["context"] / 16)
-    assert r["timed_budget_bytes"] == kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=4), 4) * B * r["context"]
+    assert r["timed_budget_bytes"] == kv_bytes_per_token(dataclasses.replace(cfg, n_kv_heads=4), 4) * (B * r["context"] + 16)
 
 
 @pytest.mark.timeout(600)
