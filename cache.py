@@ -75,8 +75,8 @@ class KVCache:
         if num_blocks < 1:
             raise ValueError("the KV cache budget is too small for a single block")
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
-        self.sliding_window = cfg.sliding_window   # Mistral's W or None: attention masks by it
-        self.bytes_per_token = kv_cache_bytes(cfg, dtype)
+        # sliding_window: Mistral's W or None (attention masks by it)
+        self.sliding_window, self.bytes_per_token = cfg.sliding_window, kv_cache_bytes(cfg, dtype)
         self.allocate(cfg, device, self.storage_dtype or dtype)
 
     def allocate(self, cfg, device, dtype):
@@ -88,9 +88,8 @@ class KVCache:
         """K, V (and an int8 cache's scales): each [layers, num_blocks, block_size, ...]."""
         return [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
 
-    @property
-    def total_bytes(self) -> int:                 # allocated: tests check it against the formula
-        return sum(t.numel() * t.element_size() for t in self.pools())
+    # the bytes allocated: tests check them against the formula
+    total_bytes = property(lambda self: sum(t.numel() * t.element_size() for t in self.pools()))
 
     def write(self, layer: int, slots, k, v):
         """Store the new tokens' k, v [N, n_kv, d] at their slots [N]."""
@@ -212,9 +211,8 @@ class AttentionContext:
         ids, positions, slots, query_lens, seq_lens = flatten_step(
             work, tables.numpy(), np.arange(len(work)), block_manager.block_size)
         on_device = functools.partial(torch.as_tensor, device=device)
-        rows = torch.tensor(logits_rows, device=device, dtype=torch.long)
         ctx = cls(cache, on_device(slots), tables.to(device), seq_lens.tolist(),
-                  query_lens.tolist(), rows)
+                  query_lens.tolist(), torch.tensor(logits_rows, device=device, dtype=torch.long))
         return on_device(ids), on_device(positions), ctx
 
 
@@ -239,8 +237,7 @@ def flatten_step(work, tables: np.ndarray, rows: np.ndarray, block_size: int):
     token_rows = np.repeat(rows, query_lens)                          # each token's row of `tables`
     slots = tables[token_rows, positions // block_size] * block_size + positions % block_size
     fed = itertools.chain.from_iterable(tokens for _, tokens, *_ in work)
-    input_ids = np.fromiter(fed, dtype=np.int64, count=N)
-    return input_ids, positions, slots, query_lens, starts + query_lens
+    return np.fromiter(fed, np.int64, N), positions, slots, query_lens, starts + query_lens
 
 
 # --- BlockManager: the page table, free list, prefix cache and copy-on-write ---
@@ -271,13 +268,8 @@ class BlockManager:
         self.sliding_window = sliding_window
         self.null_block = self._take_free() if sliding_window else None
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.cached)
+    num_free_blocks = property(lambda self: len(self.free_blocks))
+    num_cached_blocks = property(lambda self: len(self.cached))
 
     # -- low level: take and release physical blocks ----------------------------
     def _take_free(self) -> int:
@@ -338,14 +330,11 @@ class BlockManager:
         """Are there free blocks for reserve(seq_id, start, count) now?"""
         table, bs = self.tables[seq_id], self.block_size
         end_block = math.ceil((start + count) / bs)
-        written = range(start // bs, min(len(table), end_block))
-        shared = sum(self.ref_count[table[i]] > 1 for i in written)
-        freed = 0                     # a window: reserve first gives back the blocks behind it
+        shared = sum(self.ref_count[b] > 1 for b in table[start // bs:end_block])     # to copy
+        # a window: reserve first gives back the blocks behind it (newest first, to a null block)
         behind = (start - self.sliding_window + 1) // bs if self.sliding_window else 0
-        for i in reversed(range(behind)):
-            if table[i] == self.null_block:
-                break
-            freed += self.ref_count[table[i]] == 1
+        freed = sum(self.ref_count[b] == 1 for b in itertools.takewhile(
+            lambda b: b != self.null_block, reversed(table[:max(behind, 0)])))
         return max(0, end_block - len(table)) + shared <= len(self.free_blocks) + freed
 
     def reserve(self, seq_id: int, start: int, count: int):
@@ -465,8 +454,7 @@ class BlockManager:
         assert [counts[b] for b in range(self.num_blocks)] == self.ref_count, \
             "ref counts disagree with the tables"
         assert set(self.free_blocks) == {b for b in range(self.num_blocks) if not self.ref_count[b]}
-        for h, b in self.cached.items():
-            assert self.block_key[b][0] == h
+        assert all(self.block_key[b][0] == h for h, b in self.cached.items())
 
 
 # --- Local layers with a global one every N: two pools, two block managers ----------

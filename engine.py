@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import math
 import os
 import random
 import sys
@@ -163,9 +162,8 @@ class LLM(Isolation):
     params); online (serve.py): add_request() / step() / abort() from one engine thread."""
 
     def __init__(self, config: EngineConfig | str | None = None, **options):
-        if not isinstance(config, EngineConfig):
-            config = EngineConfig(path=config)       # LLM(path, **options)
-        c = dataclasses.replace(config, **options)
+        c = dataclasses.replace(config if isinstance(config, EngineConfig)
+                                else EngineConfig(path=config), **options)   # LLM(path, **options)
         device, dtype = checks.resolve_device_dtype(c.device, c.dtype, c.quantization)
         path = os.fspath(c.path) if c.path else default_model_path()
         self.engine_config = c = dataclasses.replace(c, path=path, device=device, dtype=dtype)
@@ -183,29 +181,25 @@ class LLM(Isolation):
         self.stats = {"steps": 0, "batched_tokens": 0,     # forward passes, tokens they processed
                       "draft_tokens": 0, "accepted_tokens": 0, "verify_steps": 0,
                       "graph_steps": 0, "compiled_steps": 0, "eager_steps": 0}   # how each ran
-        num_blocks = self.block_manager.num_blocks
-        self.drafter = make_drafter(c, self.config, self.tokenizer, num_blocks,
+        self.drafter = make_drafter(c, self.config, self.tokenizer, self.block_manager.num_blocks,
                                     lambda bm: StepInputs(bm, self.device))
-        self.speculation = None
-        if self.drafter is not None:
-            self.speculation = Speculation(self.drafter, c.num_speculative_tokens, self.stats,
-                                           self.scheduler)
+        self.speculation = None if self.drafter is None else Speculation(
+            self.drafter, c.num_speculative_tokens, self.stats, self.scheduler)
 
     def _build_pool(self, c: EngineConfig):
         """The KV pool, its block manager and scheduler, and the compiled step (compile=True)."""
         max_query_len = c.num_speculative_tokens + 1 if c.speculative else 1   # verify: k + 1
         # compile=True first settles what else stays in memory: the weights' layout, the step's
+        # (CUDA: its graphs' pool too, measured before the pool is sized)
         self.weight_layout = choose_weight_layout(self.model) if c.compile else "default"
-        reserve = 0
-        if c.compile and c.kv_cache_bytes is None:
-            reserve = compiled_step_reserve(self.model, self.config, c, max_query_len)
-        # the pool takes what the weights left: it bounds the batch AND the longest sequence
-        scratch = 1 if c.compile else 0    # graphs.py: padded rows write a block no one owns
-        allocate = None
-        if self.tp is not None:            # every rank allocates its slice of the pool
-            allocate = lambda n: self.tp.allocate_cache(n, c.block_size, c.kv_cache_dtype)  # noqa
+        reserve = (compiled_step_reserve(self.model, self.config, c, max_query_len)
+                   if c.compile and c.kv_cache_bytes is None and c.device.type == "cuda" else 0)
+        # the pool takes what the weights left: it bounds the batch AND the longest sequence;
+        # compile=True: 1 scratch block more (graphs.py: padded rows write a block no one owns)
+        # tensor parallel: every rank allocates its slice of the pool
+        allocate = self.tp and (lambda n: self.tp.allocate_cache(n, c.block_size, c.kv_cache_dtype))
         self.cache, num_blocks = make_kv_pool(self.tp.config if self.tp else self.config, c,
-                                              scratch, allocate, reserve)
+                                              int(c.compile), allocate, reserve)
         self.block_manager = new_block_manager(self.cache, num_blocks, c.enable_prefix_caching,
                                                self.config.sliding_window)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
@@ -213,9 +207,13 @@ class LLM(Isolation):
         # the longest sequence that can run: the model's context, or the whole pool
         self.max_len = min(self.config.max_seq_len, num_blocks * c.block_size)
         self.decoder, self.compile_seconds = None, 0.0
-        if c.compile:
-            self.decoder, self.compile_seconds = make_compiled_decoder(
-                self.model, self.cache, c, self.max_len, num_blocks, max_query_len)
+        if c.compile:    # every bucket compiled now, rather than in the middle of serving
+            self.decoder = d = compiled_decoder(self.model, self.cache, c, self.max_len, num_blocks,
+                                                max_query_len)
+            self.compile_seconds = seconds = d.warmup()
+            print(f"nanoinfer: compiled steps of {d.query_sizes} tokens per sequence for batch "
+                  f"buckets {d.batch_sizes}, mixed steps of up to {d.row_sizes[-1]} rows, "
+                  f"table widths {d.widths}: {len(d.keys)} buckets in {seconds:.1f} s")
 
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -298,8 +296,8 @@ class LLM(Isolation):
         PENDING place (sampled by the step in flight) is read where it is: on the device."""
         copies = list(self.block_manager.pending_copies)
         apply_pending_copies(self.cache, self.block_manager)     # copy-on-write before any write
-        N = sum(item.count for item in batch)
-        select = None if logits_rows == list(range(N)) else logits_rows   # None: every row
+        # None: logits for every row of the flat batch
+        select = None if logits_rows == list(range(sum(it.count for it in batch))) else logits_rows
         hb = self.inputs.host([Work(it.seq.seq_id, it.tokens, it.start) for it in batch], select)
         pending = self.in_flight.pending_rows(hb, batch) if self.in_flight else None
         # compiled: every step that fits a bucket, mixed ones as rows (graphs.py); else eager
@@ -337,8 +335,8 @@ class LLM(Isolation):
             return {}
         new = f.results()                          # the one wait; prompt logprobs stored too
         live = set(self.requests)            # not one aborted since it launched: it was reported
-        for item in f.batch:                 # prompt blocks, kept if it ends; a scored prompt ends
-            seq = item.seq
+        # the batch's prompt blocks, kept if it ends; a scored prompt ends
+        for seq in (item.seq for item in f.batch):
             if seq.status == RUNNING and not seq.draft_tokens:
                 self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_settled)
                 if not seq.params.max_tokens and seq.remaining == 0:
@@ -439,8 +437,8 @@ class Speculation:
     """Drafts before a step, bookkeeping after it (the step's one pass verifies them)."""
 
     def __init__(self, drafter, k: int, stats: dict, scheduler: Scheduler):
-        self.drafter = drafter
-        self.k, self.stats = k, stats        # drafts per step at most, the engine's counters
+        # drafts per step at most, the engine's counters
+        self.drafter, self.k, self.stats = drafter, k, stats
         # a sequence's blocks freed: its draft cache too
         scheduler.release_hooks.append(lambda seq: drafter.release(seq.seq_id))
 
@@ -480,12 +478,11 @@ class Speculation:
 def load_engine_model(c: EngineConfig):
     """(model, config, tp). tp is None on one device; with N > 1 this process is rank 0 of a
     parallel.py group whose workers hold the other slices, and model is rank 0's slice."""
-    tp = None
     if c.tensor_parallel_size != 1:   # the group shards (and quantizes) on every rank
         tp = TensorParallelGroup(c.path, c.tensor_parallel_size, c.device, c.dtype, c.quantization)
         model, config = tp.model, tp.full_config
     else:
-        model, config = load_model(c.path, device=c.device, dtype=c.dtype)
+        tp, (model, config) = None, load_model(c.path, device=c.device, dtype=c.dtype)
         if c.quantization is not None:     # fewer bytes a weight: fewer bytes read per step
             quantize_model(model, c.quantization, None if c.quantization != "awq" else
                            calibration_ids(Tokenizer.from_pretrained(tokenizer_path(c.path))))
@@ -518,32 +515,19 @@ def make_kv_pool(cfg, c: EngineConfig, scratch: int = 0, allocate=None, reserve:
 
 
 def compiled_step_reserve(model, cfg, c: EngineConfig, max_query_len: int) -> int:
-    """CUDA: the bytes compiled steps keep beside the KV pool, their graphs' pool included:
-    the largest bucket, run on a one-block pool before the real pool is sized
-    (support/timing.py step_memory). 0 elsewhere."""
-    device = torch.device(c.device)
-    if device.type != "cuda":
-        return 0
-    widest = math.ceil(cfg.max_seq_len / c.block_size)     # blocks of the longest table
-
-    def largest_step():
-        pool = make_kv_cache(cfg, 1, c.block_size, c.kv_cache_dtype, device, c.dtype)
-        decoder = CompiledDecoder(model, pool, c.max_num_seqs, widest, 0, (1, max_query_len),
-                                  min(MAX_ROWS, c.max_num_batched_tokens))
-        return decoder.scratch_step()
-    return step_memory(largest_step, device, graphs=True)
+    """CUDA (the caller's condition): the bytes compiled steps keep beside the KV pool, their
+    graphs' pool included: the largest bucket, run on a one-block pool before the real pool is
+    sized (support/timing.py step_memory)."""
+    def largest_step():     # tables as wide as the model's context
+        pool = make_kv_cache(cfg, 1, c.block_size, c.kv_cache_dtype, c.device, c.dtype)
+        return compiled_decoder(model, pool, c, cfg.max_seq_len, 0, max_query_len).scratch_step()
+    return step_memory(largest_step, c.device, graphs=True)
 
 
-def make_compiled_decoder(model, cache, c: EngineConfig, max_len: int, scratch_block: int,
-                          max_query_len: int = 1):
-    """compile=True: steps of <= max_query_len tokens per sequence, and mixed steps of up to
-    graphs.MAX_ROWS tokens (never past the token budget) as rows, through torch.compile
-    (graphs.py), every bucket compiled now rather than in the middle of serving."""
-    decoder = CompiledDecoder(model, cache, c.max_num_seqs, -(-max_len // c.block_size),
-                              scratch_block, (1, max_query_len),
-                              min(MAX_ROWS, c.max_num_batched_tokens))
-    seconds = decoder.warmup()
-    print(f"nanoinfer: compiled steps of {decoder.query_sizes} tokens per sequence for batch "
-          f"buckets {decoder.batch_sizes}, mixed steps of up to {decoder.row_sizes[-1]} rows, "
-          f"table widths {decoder.widths}: {len(decoder.keys)} buckets in {seconds:.1f} s")
-    return decoder, seconds
+def compiled_decoder(model, cache, c: EngineConfig, max_len: int, scratch_block: int,
+                     max_query_len: int) -> CompiledDecoder:
+    """compile=True's step (graphs.py): steps of <= max_query_len tokens per sequence, and mixed
+    steps of up to graphs.MAX_ROWS tokens (never past the token budget) as rows, through
+    torch.compile, tables wide enough for max_len tokens. Not warmed up yet."""
+    return CompiledDecoder(model, cache, c.max_num_seqs, -(-max_len // c.block_size), scratch_block,
+                           (1, max_query_len), min(MAX_ROWS, c.max_num_batched_tokens))

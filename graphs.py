@@ -58,8 +58,7 @@ class Staging:
         self.buf = torch.empty(1 << 16, dtype=torch.int64, pin_memory=self.cuda)  # async DMA
 
     def send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        total = sum(sizes := [a.size for a in arrays])
         if self.event is not None:
             self.event.synchronize()  # the last copy out, if in flight, would send the new values
         if total > self.buf.numel():
@@ -79,9 +78,9 @@ class HostBatch:
     input_ids: np.ndarray      # [N]
     positions: np.ndarray      # [N]
     slot_mapping: np.ndarray   # [N]
-    rows: np.ndarray           # [B] each sequence's row in StepInputs.tables
-    seq_lens: np.ndarray       # [B] tokens in cache after this step
     query_lens: np.ndarray     # [B] tokens fed this step
+    seq_lens: np.ndarray       # [B] tokens in cache after this step
+    rows: np.ndarray           # [B] each sequence's row in StepInputs.tables
     logits_rows: np.ndarray | None   # [R] rows that need logits (None: all)
 
 
@@ -95,8 +94,8 @@ class StepInputs:
         block_manager.changed = set(block_manager.tables)     # from now on, tell us what changes
         self.staging = Staging(device)
         self.tables = np.zeros((16, 8), dtype=np.int64)       # [rows, width], grown on demand
-        self.row_of: dict[int, int] = {}
-        self.free_rows: list[int] = []                        # rows of freed sequences, for reuse
+        # seq -> its row of tables; the rows of freed sequences, for reuse
+        self.row_of, self.free_rows = {}, []
 
     def _refresh_tables(self):
         for seq_id in self.bm.changed:
@@ -107,20 +106,18 @@ class StepInputs:
                 continue
             if seq_id not in self.row_of:                 # rows in use are 0..n-1 when none is free
                 self.row_of[seq_id] = self.free_rows.pop() if self.free_rows else len(self.row_of)
-            row, (R, W) = self.row_of[seq_id], self.tables.shape
-            if row >= R or len(table) > W:               # grow by doubling: amortized O(1) per step
-                grown = np.zeros((2 * max(row, R), 2 * max(len(table), W)), dtype=np.int64)
-                grown[:R, :W] = self.tables
-                self.tables = grown
-            self.tables[row, :len(table)] = table
+            row, n, (R, W) = self.row_of[seq_id], len(table), self.tables.shape
+            if row >= R or n > W:                        # grow by doubling: amortized O(1) per step
+                grow = [(0, 2 * max(row, R) - R), (0, 2 * max(n, W) - W)]       # zeros, after
+                self.tables = np.pad(self.tables, grow)
+            self.tables[row, :n] = table
         self.bm.changed.clear()
 
     def host(self, work, logits_rows=None) -> HostBatch:
         """work: a cache.Work (seq_id, tokens fed, first position) per sequence, in batch order."""
         self._refresh_tables()
         rows = np.array([self.row_of[seq_id] for seq_id, *_ in work], dtype=np.int64)
-        ids, positions, slots, query_lens, seq_lens = flatten_step(work, self.tables, rows, self.bs)
-        return HostBatch(ids, positions, slots, rows, seq_lens, query_lens,
+        return HostBatch(*flatten_step(work, self.tables, rows, self.bs), rows,
                          None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64))
 
     def groups(self, hb: HostBatch):
@@ -133,22 +130,17 @@ class StepInputs:
             m = np.nonzero(qcls == Q)[0]
             tables = self.tables[hb.rows[m], :widths[m].max()]
             if len(m) == len(qcls) and (hb.query_lens == Q).all():      # uniform batch: no gather
-                out.append((None, tables, hb.seq_lens, None))
-                continue
+                return [(None, tables, hb.seq_lens, None)]
             idx, real = query_rows(first[m], hb.query_lens[m], Q)    # [Bg, Q]
             out.append((np.where(real, idx, N), tables, hb.seq_lens[m], hb.query_lens[m]))
         return out
 
     def device(self, hb: HostBatch, cache):
         """HostBatch -> (input_ids, positions, StepContext) on the device, in one copy."""
-        groups = self.groups(hb)
-        arrays = ([hb.input_ids, hb.positions, hb.slot_mapping, hb.logits_rows]
-                  + [a for g in groups for a in g])
-        t = iter(self.staging.send([a for a in arrays if a is not None]))
-        input_ids, positions, slots = next(t), next(t), next(t)
-        logits_indices = next(t) if hb.logits_rows is not None else None
-        ctx_groups = [QueryGroup(*(None if a is None else next(t) for a in g)) for g in groups]
-        return input_ids, positions, StepContext(cache, slots, ctx_groups, logits_indices)
+        host = [(hb.input_ids, hb.positions, hb.slot_mapping, hb.logits_rows), *self.groups(hb)]
+        t = iter(self.staging.send([a for g in host for a in g if a is not None]))   # None: stays
+        (ids, pos, slots, rows), *groups = ([a if a is None else next(t) for a in g] for g in host)
+        return ids, pos, StepContext(cache, slots, [QueryGroup(*g) for g in groups], rows)
 
 
 class HybridContext:
@@ -267,8 +259,7 @@ class LayerContext:
         # offset seen in tracing (layer 0's), unguarded: other layers' writes would hit a copy.
         if k is not None:                       # CLA: a sharing layer reads the first one's
             self.cache.write(slice(None), self.slot_mapping, k, v)
-        B, Q = self.q_pos.shape
-        q = q.view(B, Q, *q.shape[1:])
+        q = q.view(*self.q_pos.shape, *q.shape[1:])                            # [B, Q, H, d]
         # CUDA, Triton, a cache the kernel reads (not int8, not MLA's latents): one kernel
         if q.device.type == "cuda" and triton is not None and self.cache.triton_decode:
             out = paged_decode(q, self.cache.k, self.cache.v, self.block_tables, self.q_pos,
@@ -286,29 +277,30 @@ def _head(lm_head, x):  # pragma: no cover (compiled: the LM head; int8 fuses th
     return lm_head(x)
 
 
-class CompiledBlock(nn.Module):
-    """Layer i of the model as a call of the ONE compiled graph of a block (its own weights,
-    passed in: a weight is a graph input, so every layer shares the graph). ctx.layers[i]: the
+class CompiledRegion(nn.Module):
+    """A module of the model (`module`, a block or the LM head) as a call of the ONE compiled
+    graph of its kind, its own weights passed in: a weight is a graph input, so every layer
+    shares the block's graph. i: the layer of a block."""
+
+    def __init__(self, compiled, module: nn.Module, i: int | None = None):
+        super().__init__()
+        self.compiled, self.module, self.i = compiled, module, i
+
+
+class CompiledBlock(CompiledRegion):
+    """Layer i of the model as a call of the ONE compiled graph of a block. ctx.layers[i]: the
     context of its layer (LayerContext, over its layer's cache)."""
 
-    def __init__(self, compiled, block: nn.Module, i: int):
-        super().__init__()
-        self.compiled, self.block, self.i = compiled, block, i
-
     def forward(self, x, cos, sin, ctx):
-        return self.compiled(self.block, dynamic(x, 0), dynamic(cos, 0), dynamic(sin, 0),
+        return self.compiled(self.module, dynamic(x, 0), dynamic(cos, 0), dynamic(sin, 0),
                              ctx.layers[self.i])
 
 
-class CompiledHead(nn.Module):
+class CompiledHead(CompiledRegion):
     """The LM head as a call of its compiled graph (int8's conversion fuses there too)."""
 
-    def __init__(self, compiled, lm_head: nn.Module):
-        super().__init__()
-        self.compiled, self.lm_head = compiled, lm_head
-
     def forward(self, x):
-        return self.compiled(self.lm_head, dynamic(x, 0))
+        return self.compiled(self.module, dynamic(x, 0))
 
 
 def compiled_regions(model: nn.Module) -> nn.Module:
@@ -356,16 +348,15 @@ class CompiledDecoder:
         rows = max(self.max_logits, self.row_sizes[-1])
         # Static inputs and output at fixed addresses, for CUDA graphs: each bucket uses a prefix.
         long = dict(dtype=torch.long, device=self.device)
-        self.ids, self.positions, self.slots = (torch.zeros(rows, **long) for _ in range(3))
-        self.logits_rows = torch.zeros(self.max_logits, **long)
         table = max(self.batch_sizes[-1] * self.widths[-1], MAX_ROW_TABLE)     # [B, W] entries
-        self.tables = torch.zeros(table, **long)
+        self.ids, self.positions, self.slots, self.logits_rows, self.tables = (
+            torch.zeros(n, **long) for n in (rows, rows, rows, self.max_logits, table))
         self.logits = torch.zeros(self.max_logits, model.config.vocab_size, device=self.device)
         self.staging = Staging(self.device)
         self.keys = set(self.buckets())                     # every bucket a step can use
         self.contexts, self.graphs, self.pool = {}, {}, None
-        self.steps = {Q: 0 for Q in self.query_sizes}      # steps run per query size (tests, bench)
-        self.row_steps = 0                                  # ... of which mixed steps, as rows
+        # steps run per query size (tests, bench), and of them the mixed steps, run as rows
+        self.steps, self.row_steps = {Q: 0 for Q in self.query_sizes}, 0
 
     def layout(self, query_lens, seq_lens, n_logits: int) -> str | None:
         """How a step runs here: "queries" (every sequence feeds <= Q tokens), "rows" (a mixed
@@ -387,20 +378,17 @@ class CompiledDecoder:
         overlap; Q = 1 buckets only). Returns logits [rows, V]."""
         tokens, positions, slots, tables = (np.asarray(a, dtype=np.int64)
                                             for a in (tokens, positions, slots, tables))
-        qlens = (np.ones(len(tokens), np.int64) if query_lens is None
-                 else np.asarray(query_lens, np.int64))
+        qlens = np.asarray([1] * len(tokens) if query_lens is None else query_lens, np.int64)
+        layout = layout or self.layout(qlens, positions[np.cumsum(qlens) - 1] + 1,
+                                       len(tokens if logits_rows is None else logits_rows))
         if layout is None:
-            n_logits = len(tokens) if logits_rows is None else len(logits_rows)
-            layout = self.layout(qlens, positions[np.cumsum(qlens) - 1] + 1, n_logits)
-            if layout is None:
-                raise ValueError(f"a step of {len(tokens)} tokens fits no bucket: run it eagerly")
+            raise ValueError(f"a step of {len(tokens)} tokens fits no bucket: run it eagerly")
         if layout == "rows":                     # token i: its own row, its sequence's table
             tables, qlens = np.repeat(tables, qlens, axis=0), np.ones(len(tokens), np.int64)
             self.row_steps += 1
-        last = positions[np.cumsum(qlens) - 1]                       # each sequence's last position
-        Q = bucket(int(qlens.max()), self.query_sizes)
+        Q = bucket(int(qlens.max()), self.query_sizes)        # W: blocks up to the last position
         key = (Q, bucket(len(qlens), self.row_sizes if Q == 1 else self.batch_sizes),
-               bucket(int(last.max()) // self.cache.block_size + 1, self.widths))
+               bucket(int(positions.max()) // self.cache.block_size + 1, self.widths))
         prow = self._load(key, tokens, positions, slots, tables, qlens, logits_rows, pending)
         self._run(key)
         self.steps[key[0]] += 1
@@ -438,9 +426,9 @@ class CompiledDecoder:
         """The static inputs of bucket (Q, B, W) and its per-layer contexts (made once)."""
         if key not in self.contexts:
             (Q, B, W), n = key, key[0] * key[1]
-            q_pos = dynamic(self.positions[:n].view(B, Q), 0, 1)          # bounds each query's keys
+            # q_pos: each query's position, which bounds its keys
+            q_pos, slots = dynamic(self.positions[:n].view(B, Q), 0, 1), dynamic(self.slots[:n], 0)
             tables = dynamic(self.tables[:B * W].view(B, W), 0, 1)
-            slots = dynamic(self.slots[:n], 0)
             layers = [LayerContext(c, slots, tables, q_pos) for c in self.layer_caches]
             # all rows get logits, or (more rows than the logits buffer) the gathered ones
             gather = self.logits_rows if n > self.max_logits else None
@@ -457,10 +445,7 @@ class CompiledDecoder:
 
     def _run(self, key):
         """Run bucket `key` on what its static inputs hold: its CUDA graph's replay, or the step."""
-        if key in self.graphs:
-            self.graphs[key].replay()
-        else:
-            self._forward(key)
+        self.graphs[key].replay() if key in self.graphs else self._forward(key)
 
     def _record(self, key):
         """CUDA: record bucket `key`'s whole step, eager parts included, as ONE graph (not
@@ -489,21 +474,17 @@ class CompiledDecoder:
                 for k in ((Q, 1, lo), (Q, self.batch_sizes[-1], lo), (Q, 1, hi))] + \
             [(1, self.row_sizes[-1], lo)]
 
-    def largest_buckets(self) -> list[tuple]:
-        """The buckets whose step needs the most memory: the most queries at the widest table,
-        the most rows (their activations)."""
-        return [(self.query_sizes[-1], self.batch_sizes[-1], self.widths[-1]),
-                max(self.buckets(), key=lambda k: (k[0] * k[1], k[2]))]
-
     def load_scratch(self, key):
         """Load bucket `key`'s static inputs with no real row (writes go to the scratch block)."""
         none = np.zeros(0, np.int64)
         self._load(key, none, none, none, np.zeros((0, 1), np.int64), none)
 
     def scratch_step(self, key=None):
-        """Bucket `key`'s step on scratch rows; no key: the largest buckets' steps (what
-        step_memory's budget must hold)."""
-        keys = [key] if key else self.largest_buckets()
+        """Bucket `key`'s step on scratch rows; no key: the steps of the buckets that need the most
+        memory (what step_memory's budget must hold): the most queries at the widest table, the
+        most rows (their activations)."""
+        keys = [key] if key else [(self.query_sizes[-1], self.batch_sizes[-1], self.widths[-1]),
+                                  max(self.buckets(), key=lambda k: (k[0] * k[1], k[2]))]
 
         def step():
             for key in keys:
@@ -518,10 +499,7 @@ class CompiledDecoder:
         t0 = time.perf_counter()
         for key in self.warmup_buckets():
             self.load_scratch(key)
-            if self.cuda and key not in self.graphs:
-                self._record(key)
-            else:
-                self._run(key)
+            (self._record if self.cuda and key not in self.graphs else self._run)(key)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0

@@ -31,11 +31,6 @@ from support.gpu import autotune, configs, jit, tl, triton
 STRICT_SDPA = False
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for positive integers, without floats."""
-    return (a + b - 1) // b
-
-
 def on_cuda(device) -> bool:
     """Does this run take CUDA's code paths? (tests/cuda_sim.py says yes on a CPU.)"""
     return torch.device(device).type == "cuda"
@@ -121,13 +116,11 @@ class StepContext:
             return batched_paged_attention(q.view(B, -1, H, d), self.cache, layer, g.block_tables,
                                            g.seq_lens, g.query_lens, scale).reshape(N, H, -1)
         qx = torch.cat([q, q.new_zeros(1, H, d)])       # row N: where padded queries read and write
-        outs = [(g.index.flatten(), batched_paged_attention(  # a few length classes, not sequences
-            qx[g.index], self.cache, layer, g.block_tables, g.seq_lens, g.query_lens, scale))
-            for g in self.groups]                                              # [Bg, Q, H, dv]
-        out = q.new_empty(N + 1, H, outs[0][1].shape[-1])
-        for index, o in outs:
-            out[index] = o.flatten(0, 1)
-        return out[:N]
+        outs = torch.cat([batched_paged_attention(      # a few length classes, not sequences
+            qx[g.index], self.cache, layer, g.block_tables, g.seq_lens, g.query_lens, scale
+        ).flatten(0, 1) for g in self.groups])                           # each [Bg, Q, H, dv], flat
+        index = torch.cat([g.index.flatten() for g in self.groups])     # ... and their rows
+        return outs.new_empty(N + 1, H, outs.shape[-1]).index_copy_(0, index, outs)[:N]
 
 
 # --- The compiled path's attention: the paged cache read where it lies --------
@@ -238,15 +231,15 @@ def launch_paged_decode(q, k, v, block_tables, q_pos, window: int, splits: int |
     BLOCK_T = 64
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        splits = max(1, min(cdiv(2 * sms, B * n_kv), cdiv(W * bs, 256)))      # >= 256 keys a split
-    chunk = cdiv(cdiv(W * bs, splits), BLOCK_T) * BLOCK_T     # keys per split, whole key tiles
+        # >= 256 keys a split (triton.cdiv: ceil(a / b) for positive integers, without floats)
+        splits = max(1, min(triton.cdiv(2 * sms, B * n_kv), triton.cdiv(W * bs, 256)))
+    chunk = triton.cdiv(triton.cdiv(W * bs, splits), BLOCK_T) * BLOCK_T   # per split, whole tiles
     f32 = dict(device=q.device, dtype=torch.float32)              # per split: sum p v, max, sum p
     out = torch.empty_like(q) if splits == 1 else torch.empty(splits, B, Q, H, d, **f32)
     m, den = torch.empty(splits, B, Q, H, **f32), torch.empty(splits, B, Q, H, **f32)
     _paged_decode_kernel[(B, n_kv, splits)](
         q, k, v, block_tables, q_pos, out, m, den, 1 / math.sqrt(d), window, W, chunk,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(1), k.stride(2), k.stride(3),
-        *m.stride()[:4],
+        *q.stride()[:3], *k.stride()[1:4], *m.stride()[:4],
         Q=Q, G=H // n_kv, D=d, BS=bs, BLOCK_M=max(16, triton.next_power_of_2(Q * H // n_kv)),
         BLOCK_T=BLOCK_T, EXACT=q.dtype == torch.float32, ONE_SPLIT=splits == 1)
     if splits == 1:

@@ -204,11 +204,10 @@ class Attention(nn.Module):
         else:                                   # CLA: K, V are the group's first layer's
             q, k, v = self.qkv_proj(x), None, None
         q = apply_rope(q.view(N, H, d), cos, sin)                        # [N, H, d]
-        if ctx is None:
-            out = dense_causal_attention(q, k, v, self.window)       # no cache: one sequence
-        else:
-            out = ctx.attend(self.kv_layer, q, k, v)    # paged KV cache (cache.py); k None: read
-        return self.o_proj(out.reshape(N, self.n_heads * self.head_dim))
+        # no cache: one sequence, dense; else the paged KV cache (cache.py; k None: read only)
+        out = (dense_causal_attention(q, k, v, self.window) if ctx is None
+               else ctx.attend(self.kv_layer, q, k, v))
+        return self.o_proj(out.reshape(N, H * d))
 
 
 class LatentAttention(nn.Module):
@@ -373,11 +372,10 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
     if len(prompt_ids) + max_new_tokens > model.config.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                          f"exceeds the model's context of {model.config.max_seq_len} tokens")
-    device = model.embed_tokens.weight.device
-    ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=model.embed_tokens.weight.device)
     out = []
     for _ in range(max_new_tokens):
-        logits = model(ids, torch.arange(len(ids), device=device))[-1]   # last position: [V]
+        logits = model(ids, torch.arange(len(ids), device=ids.device))[-1]   # last position: [V]
         if temperature == 0:
             nxt = int(logits.argmax())                                    # greedy
         else:

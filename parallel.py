@@ -64,9 +64,8 @@ class Collectives(CollectiveCounters):
         self.rank, self.world_size, self.group = rank, world_size, group
 
     def _call(self, x, fn, *args):
-        if self.timing:
-            return self.timed(x, fn, *args, group=self.group)
-        return fn(*args, group=self.group)
+        return (self.timed(x, fn, *args, group=self.group) if self.timing
+                else fn(*args, group=self.group))
 
     def all_reduce(self, x):
         """Elementwise sum over ranks, in place; every rank gets the result."""
@@ -79,8 +78,7 @@ class Collectives(CollectiveCounters):
         Not a gather to rank 0: the same bytes, and dynamo traces an all-gather, not a gather."""
         if self.world_size == 1:
             return x
-        x, N = x.contiguous(), self.world_size
-        rows, cols = x.shape
+        x, N, (rows, cols) = x.contiguous(), self.world_size, x.shape
         out = x.new_empty(N * rows, cols)                                         # [N * rows, V/N]
         self._call(x, _all_gather, out, x)
         return out.view(N, rows, cols).transpose(0, 1).reshape(rows, N * cols)  # [rows, N, V/N]
@@ -118,8 +116,7 @@ class ColumnParallelLinear(nn.Module):
                 _narrow_(linear, name, 0, rank, world_size, parts)   # stacked: each part's slice
         linear.out_features //= world_size
         # end assignment
-        self.linear = linear                                     # [out/N, in]
-        self.comm = comm                                         # the head's all-gather
+        self.linear, self.comm = linear, comm     # [out/N, in]; comm: the head's all-gather
 
     def forward(self, x):                                        # [T, in] -> [T, out/N]
         return self.linear(x)
@@ -164,9 +161,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = rank * embedding.num_embeddings             # its ids: [start, end)
         self.end = self.start + embedding.num_embeddings
 
-    @property
-    def weight(self):                                            # the table a tied head shares
-        return self.embed.weight
+    weight = property(lambda self: self.embed.weight)            # the table a tied head shares
 
     def forward(self, ids):                                      # [T] -> [T, D]
         """Its rows for the ids in [start, end), zeros for the others, summed over ranks."""
@@ -219,8 +214,7 @@ def shard_model(model, rank: int, world_size: int, comm: Collectives | None = No
     model.lm_head = VocabParallelHead(model.lm_head, rank, world_size, comm)
     if tied:          # one table: the head sliced the same rows; keep a single copy of them
         model.lm_head.linear.weight = model.embed_tokens.weight
-    model.full_config, model.config = cfg, shard_config(cfg, world_size)
-    model.tp_comm = comm
+    model.full_config, model.config, model.tp_comm = cfg, shard_config(cfg, world_size), comm
     return model
 
 

@@ -308,37 +308,34 @@ def awq_scale(model: nn.Module, calibration: list[int]) -> list[float]:
     down, the LM head), W[:, i] *= s_i and its producer (an RMSNorm's weight, or up's row i
     for down_proj; model.py's MLP has no bias) /= s_i. Not o_proj: under GQA its input
     channels are V's rows, shared by query heads. Returns the alphas."""
-    groups = []                                            # (producer, [linears reading it])
+    # (producer, the linear reading it): q/k/v and gate/up are fused, one linear per input
+    groups = []
     for blk in model.layers:
         a, m = blk.self_attn, blk.mlp
         up = SimpleNamespace(weight=m.gate_up_proj.weight.chunk(2)[1])    # up's rows (a view)
-        groups += [(blk.input_layernorm, [a.qkv_proj]),
-                   (blk.post_attention_layernorm, [m.gate_up_proj]),
-                   (up, [m.down_proj])]
+        groups += [(blk.input_layernorm, a.qkv_proj),
+                   (blk.post_attention_layernorm, m.gate_up_proj), (up, m.down_proj)]
     if model.lm_head.weight is model.embed_tokens.weight:   # tied: the head scales a copy
         model.lm_head.weight = nn.Parameter(model.lm_head.weight.clone(), requires_grad=False)
-    groups.append((model.norm, [model.lm_head]))
+    groups.append((model.norm, model.lm_head))
     seen, ids = {}, torch.tensor(calibration, device=next(model.parameters()).device)
-    hooks = [ls[0].register_forward_pre_hook(lambda mod, args: seen.__setitem__(mod, args[0]))
-             for _, ls in groups]
+    hooks = [lin.register_forward_pre_hook(lambda mod, args: seen.__setitem__(mod, args[0]))
+             for _, lin in groups]
     model(ids, torch.arange(len(ids), device=ids.device))
     for h in hooks:
         h.remove()
     alphas = []
-    for producer, linears in groups:
-        x = seen[linears[0]].reshape(-1, linears[0].in_features)                  # [T, K]
-        w = torch.cat([lin.weight for lin in linears])                             # [N, K]
+    for producer, lin in groups:
+        x, w = seen[lin].reshape(-1, lin.in_features), lin.weight                  # [T, K], [N, K]
         s, alpha = awq_search(x, w[::max(1, len(w) // AWQ_ROWS)], int4_group(w.shape[1]))
-        for lin in linears:
-            lin.weight.mul_(s.to(lin.weight.dtype))
+        w.mul_(s.to(w.dtype))
         producer.weight.div_((s[:, None] if producer.weight.dim() == 2 else s).to(x.dtype))
         alphas.append(alpha)
     return alphas
 
 
 FORMATS = {"int8": Int8Linear, "fp8": Fp8Linear, "fp8-dynamic": Fp8DynamicLinear,
-           "llm.int8": LLMInt8Linear, "int4": Int4Linear,
-           "awq": Int4Linear}
+           "llm.int8": LLMInt8Linear, "int4": Int4Linear, "awq": Int4Linear}
 
 
 def quantize_model(model: nn.Module, method: str = "int8", calibration=None) -> nn.Module:
@@ -358,11 +355,9 @@ def quantize_model(model: nn.Module, method: str = "int8", calibration=None) -> 
 def decode_weight_bytes(model: nn.Module) -> int:
     """Weight bytes one decode step reads: every parameter and buffer of every layer (a shared
     one, like a tied head, once), but the embedding table (a lookup reads N rows)."""
-    tensors = {}
-    for m in model.modules():
-        if next(m.children(), None) is None and not isinstance(m, nn.Embedding):
-            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
-                tensors[t.data_ptr()] = t.numel() * t.element_size()
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for m in model.modules()
+               if next(m.children(), None) is None and not isinstance(m, nn.Embedding)
+               for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))}
     return sum(tensors.values())
 
 

@@ -34,9 +34,8 @@ from support.checks import check_sampling_params
 def knob(default, **bounds):
     """A field of SamplingParams with its range (support/checks.py), from which serve.py's
     request schema is made too: a new option is one line here, plus the code that uses it."""
-    if default is list:
-        return field(default_factory=list, metadata=bounds)
-    return field(default=default, metadata=bounds)
+    kw = {"default_factory": list} if default is list else {"default": default}
+    return field(**kw, metadata=bounds)
 
 
 @dataclass
@@ -193,18 +192,16 @@ def launch_sample(logits, reqs: list[SampleRequest], also=()) -> Sampled:
     if K:                                              # greedy rule: accept while draft == argmax
         agree = (tokens[:, :K] == d[:, :K]) & (torch.arange(K, device=dev)[None] < n_t[:, None])
         n_acc = agree.long().cumprod(dim=1).sum(dim=1)
-    sampled = [s for s, r in enumerate(reqs) if not r.params.greedy]
-    if sampled:
-        toks, acc = _sample_rows(scores, [reqs[s] for s in sampled], ridx[sampled], d[sampled],
-                                 n_t[sampled])
+    if sampled := [s for s, r in enumerate(reqs) if not r.params.greedy]:
         sel = to_device(sampled, dev)
-        tokens[sel], n_acc[sel] = toks, acc
+        tokens[sel], n_acc[sel] = _sample_rows(scores, [reqs[s] for s in sampled], ridx[sampled],
+                                               d[sampled], n_t[sampled])
     finite = torch.isfinite(best[idx]).all(dim=1)
     want_lp = [s for s, r in enumerate(reqs) if r.params.logprobs is not None]
     top = max((reqs[s].params.logprobs for s in want_lp), default=0)
     lp = _logprobs(logits, ridx[want_lp], tokens[want_lp], top) if want_lp else []
     packed = torch.cat([tokens, n_acc[:, None], finite[:, None].long()], dim=1)   # [S, K + 3]
-    return Sampled(reqs, want_lp, start_fetch(packed, *lp, *also), also, tokens[:, 0])
+    return Sampled(reqs, want_lp, Fetch((packed, *lp, *also)), also, tokens[:, 0])
 
 
 class Sampled:
@@ -220,15 +217,13 @@ class Sampled:
         if self.also:
             self.also[:] = rest[len(rest) - len(self.also):]
         chosen, values, ids = rest[:3] if self.want_lp else ([], [], [])
-        K, out = max(len(r.drafts) for r in self.reqs), []
-        for row in packed:            # K + 1 tokens (the judged drafts + one), n accepted, finite
-            tokens, n_accepted, finite = row[:K + 1], row[K + 1], row[K + 2]
-            out.append((tokens[:n_accepted + 1], None, bool(finite)))
+        K = max(len(r.drafts) for r in self.reqs)
+        # a row: K + 1 tokens (the judged drafts + one), then n accepted, then finite
+        out = [(row[:row[K + 1] + 1], None, bool(row[K + 2])) for row in packed]
         for j, s in enumerate(self.want_lp):      # per token: (chosen logprob, {other: logprob})
-            tokens, k = out[s][0], self.reqs[s].params.logprobs
-            info = [(chosen[j][i], dict(zip(ids[j][i][:k], values[j][i][:k])))
-                    for i in range(len(tokens))]
-            out[s] = (tokens, info, out[s][2])
+            (tokens, _, finite), k = out[s], self.reqs[s].params.logprobs
+            out[s] = (tokens, [(chosen[j][i], dict(zip(ids[j][i][:k], values[j][i][:k])))
+                               for i in range(len(tokens))], finite)
         return out
 
 
@@ -236,17 +231,14 @@ def _sample_rows(logits, reqs, ridx, d, n):
     """Sampled (temperature > 0) sequences: filtered q, the rejection rule, one draw each."""
     (S, K1), dev = ridx.shape, logits.device
     rows = to_device(ridx.reshape(-1), dev)
-    per_row = lambda f: [f(r.params) for r in reqs for _ in range(K1)]                 # noqa: E731
-    temp = to_device(per_row(lambda p: p.temperature), dev, logits.dtype)
-    probs = filtered_probs(logits[rows], temp, per_row(lambda p: p.top_k),
-                           per_row(lambda p: p.top_p), per_row(lambda p: p.min_p))
+    per_row = lambda name: [getattr(r.params, name) for r in reqs for _ in range(K1)]   # noqa: E731
+    temp = to_device(per_row("temperature"), dev, logits.dtype)
+    probs = filtered_probs(logits[rows], temp, per_row("top_k"), per_row("top_p"), per_row("min_p"))
     probs = probs.view(S, K1, -1)                                                    # [S, K+1, V]
-    dp = None
-    if any(r.draft_probs is not None for r in reqs):                   # a draft model's p
-        dp = torch.zeros(S, K1 - 1, probs.shape[-1], device=dev)
-        for s, r in enumerate(reqs):
-            if r.draft_probs is not None:
-                dp[s, :len(r.drafts)] = r.draft_probs
+    with_p = [s for s, r in enumerate(reqs) if r.draft_probs is not None]    # a draft model's p
+    dp = torch.zeros(S, K1 - 1, probs.shape[-1], device=dev) if with_p else None
+    for s in with_p:
+        dp[s, :len(reqs[s].drafts)] = reqs[s].draft_probs
     noise = [[[uniform(r.key, r.position + j, stream) for stream in (DRAW, ACCEPT)]
               for j in range(K1)] for r in reqs]
     u = to_device(noise, dev, torch.float64)                                         # [S, K+1, 2]
@@ -287,24 +279,22 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
     x = torch.where(x > 0, x / rep, x * rep)
     x = x - param("presence_penalty") * seen - param("frequency_penalty") * n
     # end assignment
-    flat_rows = to_device(ridx.reshape(-1), dev)
-    return logits.index_put((flat_rows,), x.flatten(0, 1).to(logits.dtype))
+    return logits.index_put((to_device(ridx.reshape(-1), dev),), x.flatten(0, 1).to(logits.dtype))
 
 
 def _logprobs(logits, ridx, tokens, top: int):
     """Logprobs from the RAW logits (no temperature or filtering, as OpenAI and vLLM report
     them): the chosen tokens' [S', K+1], and the top alternatives' values and ids."""
     logp = logits[to_device(ridx, logits.device)].log_softmax(dim=-1)               # [S', K+1, V]
-    alt = logp.topk(max(top, 1), dim=-1)
-    return [logp.gather(-1, tokens[..., None])[..., 0], alt.values, alt.indices]
+    # the chosen tokens' logprobs, then the top alternatives' values and ids (topk's pair)
+    return [logp.gather(-1, tokens[..., None])[..., 0], *logp.topk(max(top, 1), dim=-1)]
 
 
 def prompt_logprobs(logits, next_tokens: list[int], top: int) -> list:
     """The same, in float32, for the LAST len(next_tokens) logits rows, each scored against the
     prompt token after it: only [R] + 2 x [R, top] wait for the fetch (the [R, V] rows die)."""
-    nxt = to_device(next_tokens, logits.device)
-    rows = logits[-len(next_tokens):].float()
-    return _logprobs(rows, np.arange(len(next_tokens)), nxt, top)
+    rows, n = logits[-len(next_tokens):].float(), len(next_tokens)
+    return _logprobs(rows, np.arange(n), to_device(next_tokens, logits.device), top)
 
 
 def to_device(data, dev, dtype=None) -> torch.Tensor:
@@ -316,7 +306,7 @@ def to_device(data, dev, dtype=None) -> torch.Tensor:
 
 def fetch(*tensors) -> list:
     """Device -> host lists with ONE wait: the step's only synchronization."""
-    return start_fetch(*tensors).wait()
+    return Fetch(tensors).wait()
 
 
 class Fetch:
@@ -326,9 +316,8 @@ class Fetch:
 
     def __init__(self, tensors):
         self.host = [t.to("cpu", non_blocking=True) for t in tensors]
-        self.event = None
-        if tensors and tensors[0].is_cuda:                          # pragma: no cover (CUDA)
-            self.event = torch.cuda.Event()
+        self.event = torch.cuda.Event() if tensors and tensors[0].is_cuda else None
+        if self.event is not None:                                  # pragma: no cover (CUDA)
             self.event.record(torch.cuda.current_stream(tensors[0].device))
 
     def wait(self) -> list:
@@ -337,21 +326,16 @@ class Fetch:
         return [h.tolist() for h in self.host]
 
 
-def start_fetch(*tensors) -> Fetch:
-    return Fetch(tensors)
-
-
 # --- Who samples, from which logits rows (step 3's side of the step) ----------
 def sample_requests(batch, scheduler, tokenizer):
     """Which sequences sample this step, from which logits rows: the last row of a sequence
     whose cache then holds all its tokens, or the 1 + k rows of a verification (a prompt of a
     request with n > 1 forks here). After those, the rows of the prompt positions a request
     scores (prompt_logprobs): scored = [(request, first, count)]."""
-    asks = []           # (sequence, SampleRequest) of each sequence that samples
-    rows = []           # the logits rows they sample from, in that order
-    scored = []         # (request, first prompt position, count) scored this step
-    prompt_rows = []    # the logits rows of those prompt positions
-    end = 0
+    # asks: (sequence, SampleRequest) of each sequence that samples; rows: the logits rows they
+    # sample from, in that order; scored: (request, first prompt position, count) scored this
+    # step; prompt_rows: the logits rows of those prompt positions
+    asks, rows, scored, prompt_rows, end = [], [], [], [], 0
     for item in batch:
         seq, req = item.seq, item.seq.request
         # position p scores prompt token p + 1 (a recompute after preemption skips scored ones)
@@ -423,9 +407,8 @@ def draft_sampler(asks):
         temp = [max(p.temperature, SamplingParams.GREEDY_BELOW) for p in ps]
         probs = filtered_probs(logits.float(), torch.tensor(temp, device=dev),
                                [p.top_k for p in ps], [p.top_p for p in ps])
-        greedy = torch.tensor([p.greedy for p in ps], device=dev)
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
+        probs = torch.where(torch.tensor([[p.greedy] for p in ps], device=dev), one_hot, probs)
         noise = [uniform(seqs[i].key, seqs[i].num_output + step, DRAFT) for i in idx]
         return draw(probs, torch.tensor(noise, device=dev)).tolist(), probs
     return draft_sample

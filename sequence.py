@@ -43,11 +43,9 @@ class Sequence:
         # one counter for the whole engine: the BlockManager keys block tables by seq_id, and
         # the n samples of one request need tables of their own after they fork
         self.seq_id = next(Sequence._ids)
-        self.request = request
-        self.params = request.params
+        self.request, self.params = request, request.params
         self.index = index                       # which of the request's n samples
-        self.token_ids = list(token_ids)
-        self.num_prompt = len(request.prompt_ids)
+        self.token_ids, self.num_prompt = list(token_ids), len(request.prompt_ids)
         self.num_computed = 0        # nothing cached yet: the first steps are the prompt's prefill
         self.status = WAITING
         # its counter-based noise (sampler): the same seed gives the same tokens whatever else
@@ -77,14 +75,12 @@ class Sequence:
         # Why hold text back: "Obs" may be the start of the stop string "Observation". Sent
         # early, a stream could never take it back; held, it costs only the stop's length.
         text = self.pending + delta
-        hit = self.stops.feed(delta) if self.stops else None
+        hit = self.stops.feed(delta) if self.stops else None     # (end, length) or None
         if hit is not None:
-            end, length = hit
-            cut = len(self.pending) + end - length   # the stop string itself is never output
-            self.pending = ""
+            cut = len(self.pending) + hit[0] - hit[1]   # the stop string itself is never output
         else:
             cut = len(text) - (self.stops.partial if self.stops else 0)
-            self.pending = text[cut:]
+        self.pending = "" if hit is not None else text[cut:]
         if cut > 0:
             self.pieces.append(text[:cut])
         return hit is not None
@@ -106,8 +102,7 @@ class Sequence:
         else:
             return None
         if not hit:    # the text ends here: release the held-back tail and an unfinished character
-            tail = self.pending + self.decoder.flush()
-            self.pending = ""
+            tail, self.pending = self.pending + self.decoder.flush(), ""
             if tail:
                 self.pieces.append(tail)
         return reason
@@ -119,8 +114,7 @@ class Sequence:
         del self.token_ids[place:]
         reason = self.append(token, logprob, eos_token_id, max_len)
         self.in_flight = 0 if reason else len(later)
-        if reason is None:
-            self.token_ids += later
+        self.token_ids += [] if reason else later
         return reason
 
     def snapshot(self) -> Completion:
@@ -143,10 +137,8 @@ class Request:
     """What a user asked for: a prompt, its params, and its n sequences."""
 
     def __init__(self, request_id, prompt_ids, params, arrival_time, seed: int):
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.seed = seed
+        self.request_id, self.prompt_ids = request_id, prompt_ids
+        self.params, self.seed = params, seed
         self.seqs: list[Sequence] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_ids))
         self.error: str | None = None
@@ -196,14 +188,9 @@ class Completion:
     lazily: token ids and text pieces only grow, so a snapshot is just their lengths then."""
 
     def __init__(self, seq: Sequence, new_text: str, new_token_ids: list, new_logprobs):
-        self._seq = seq
-        self.index = seq.index
-        self.finish_reason = seq.finish_reason
-        self._tokens = seq.num_output - seq.in_flight
-        self._pieces = len(seq.pieces)
-        self.new_text = new_text
-        self.new_token_ids = new_token_ids
-        self.new_logprobs = new_logprobs
+        self._seq, self.index, self.finish_reason = seq, seq.index, seq.finish_reason
+        self._tokens, self._pieces = seq.num_output - seq.in_flight, len(seq.pieces)
+        self.new_text, self.new_token_ids, self.new_logprobs = new_text, new_token_ids, new_logprobs
 
     text = property(lambda self: "".join(self._seq.pieces[:self._pieces]))
     token_ids = property(lambda self: self._seq.token_ids[self._seq.num_prompt:][:self._tokens])

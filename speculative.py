@@ -65,8 +65,8 @@ def rejection_sample_batched(target_probs, draft_probs, draft_tokens, num_drafts
     p one-hot); draft_tokens, accept_u (uniforms) [B, K], padded. Returns num_accepted [B] and
     final [B, V], the unnormalized distribution of the extra token (max(q - p, 0) at the first
     rejection, else the bonus row q), which the caller draws with its counter-based noise."""
-    B, K = target_probs.shape[0], target_probs.shape[1] - 1            # sequences, drafts
-    dev = target_probs.device
+    # B sequences, K drafts
+    B, K, dev = target_probs.shape[0], target_probs.shape[1] - 1, target_probs.device
     if not K:                                                     # plain sampling: q itself
         return torch.zeros(B, dtype=torch.long, device=dev), target_probs[:, 0]
     rows = torch.arange(B, device=dev)
@@ -160,10 +160,9 @@ class ModelDrafter:
                 active.append(i)
             if not work:
                 break
-            last_rows = np.cumsum([len(w.tokens) for w in work]) - 1   # each sequence's last token
-            hb = self.inputs.host(work, last_rows)
-            input_ids, positions, ctx = self.inputs.device(hb, self.cache)
-            tokens, probs = sample_fn(self.model(input_ids, positions, ctx), active, step)
+            # logits at each sequence's last token; device(): input_ids, positions, ctx
+            hb = self.inputs.host(work, np.cumsum([len(w.tokens) for w in work]) - 1)
+            tokens, probs = sample_fn(self.model(*self.inputs.device(hb, self.cache)), active, step)
             for j, i in enumerate(active):
                 out[i][0].append(int(tokens[j]))
                 out[i][1].append(probs[j])

@@ -46,9 +46,9 @@ class Tokenizer:
         # tokenizer.json writes each byte as a printable character (a space is 'Ġ': GPT-2's
         # bytes_to_unicode); support/bytelevel.py gives the tokens back as bytes. rank = id:
         # Hugging Face byte-level vocabularies number their ids in the merges' learned order.
-        ranks = bytelevel.byte_ranks(vocab, specials)
+        self.ranks = ranks = bytelevel.byte_ranks(vocab, specials)
         self.vocab_size = max([*vocab.values(), *specials.values()]) + 1
-        self.ranks, self.pattern = ranks, pattern
+        self.pattern, self.specials = pattern, specials
         self.enc = tiktoken.Encoding("nanoinfer", pat_str=pattern, mergeable_ranks=ranks,
                                      special_tokens=specials)
         # Some bytes have no token (SmolLM2 lacks 21, e.g. 0x04 and 0xF1); tiktoken panics on
@@ -56,7 +56,6 @@ class Tokenizer:
         self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
         # the most bytes one token covers: text of more than max_len * this cannot fit the context
         self.max_token_bytes = max(len(t) for t in [*ranks, *(s.encode() for s in specials)])
-        self.specials = specials
         self.id_to_special = {i: s for s, i in specials.items()}
         self.eos_token_id = vocab.get(eos_token, specials.get(eos_token)) if eos_token else None
         self.bos_token_id = vocab.get(bos_token, specials.get(bos_token)) if bos_token else None
@@ -110,8 +109,7 @@ class Tokenizer:
         allow_special=True: a user must not inject control tokens into someone's template."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        utf8 = text.encode("utf-8", errors="surrogatepass")
-        if len(utf8.translate(None, self.missing_bytes)) == len(utf8):   # usually: all in Rust
+        if self.unencodable(text) is None:                  # usually: all in Rust
             return self.enc.encode(text, allowed_special="all" if allow_special else set(),
                                    disallowed_special=())
         # Slow path in Python: split off specials, regex-split, drop missing bytes, merge with BPE.
@@ -147,9 +145,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Token ids -> text; invalid UTF-8 and ids beyond the vocabulary become U+FFFD."""
-        ids = list(ids)
-        if skip_special_tokens:
-            ids = [i for i in ids if i not in self.id_to_special]
+        ids = [i for i in ids if not (skip_special_tokens and i in self.id_to_special)]
         try:
             data = self.enc.decode_bytes(ids)             # all in Rust: the usual case
         except (KeyError, OverflowError):                 # an unknown (or negative) id somewhere
@@ -178,10 +174,8 @@ class Tokenizer:
         parts = self._chat_parts(messages, add_generation_prompt)
         if not tokenize:
             return "".join(text for text, _ in parts)
-        ids = []
-        for text, special in parts:
-            ids += [self.specials[text]] if special else self.encode(text)
-        return ids
+        return [i for text, special in parts
+                for i in ([self.specials[text]] if special else self.encode(text))]
 
 
 class IncrementalDecoder:

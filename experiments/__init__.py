@@ -20,6 +20,7 @@ the table, `plot(results) -> Figure`, drawn from the results dict alone.
   serving               users over HTTP at rising Poisson rates: throughput, TTFT, TPOT, the knee
   tensor-parallel       decode split over N processes, and the lecture's arithmetic for 8B and 70B
   kv-compression        MHA vs GQA vs MQA bytes per token and batch per budget; a sliding window
+  pruning               prune.py: 0.7x the parameters by calibration importance, distilled; speed, perplexity
 
 Shared helpers: common.py. The plan: plan.py. The lecture's configurator (bench.py --configure,
 no run): configure.py. The GPU self-check (--check): check.py. The
@@ -28,11 +29,12 @@ command line: cli.py.
 import os
 
 from experiments import (batching, compiled, continuous_vs_static, kv_cache, kv_compression, overhead, peer,
-                         prefix, quantization, roofline, serving, speculative_decoding, tensor_parallel)
+                         prefix, pruning, quantization, roofline, serving, speculative_decoding,
+                         tensor_parallel)
 
 EXPERIMENTS = {m.NAME: m for m in (overhead, roofline, kv_cache, batching, continuous_vs_static, prefix,
                                    speculative_decoding, quantization, compiled, peer, serving, tensor_parallel,
-                                   kv_compression)}
+                                   kv_compression, pruning)}
 PLOTS = {name: m.plot for name, m in EXPERIMENTS.items() if hasattr(m, "plot")}
 
 

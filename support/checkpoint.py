@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import shutil
 import zlib
 
 import torch
@@ -532,6 +533,48 @@ def _stored_tensors_equal(path: str, a: tuple, b: tuple) -> bool:
 
 
 # ----------------------------------------------------------------------------
+# Writing a checkpoint directory (prune.py's output; the tests' tiny models)
+# ----------------------------------------------------------------------------
+
+# ModelConfig's field -> config.json's key (Llama's names), for the fields a model's shape needs.
+HF_KEYS = {"dim": "hidden_size", "ffn_dim": "intermediate_size", "n_layers": "num_hidden_layers",
+           "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+           "head_dim": "head_dim",
+           "vocab_size": "vocab_size", "rms_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+           "max_seq_len": "max_position_embeddings", "tie_embeddings": "tie_word_embeddings",
+           "attention_bias": "attention_bias", "rope_scaling": "rope_scaling",
+           "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id"}
+
+
+def write_checkpoint(state_dict: dict, cfg, parts: dict, directory, source=None) -> str:
+    """A model as a Hugging Face checkpoint directory that load_model, serve.py and transformers'
+    LlamaForCausalLM read: config.json (the source checkpoint's, if any, with every field of `cfg`
+    written over it), model.safetensors (Hugging Face's names: `parts` splits each stacked linear;
+    a tied LM head once) and the source's tokenizer files (else the default model's)."""
+    from safetensors.torch import save_file
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    src = tokenizer_path(source)
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32"}
+    if source and os.path.isfile(os.path.join(os.fspath(source), "config.json")):
+        with open(os.path.join(os.fspath(source), "config.json")) as f:
+            base = json.load(f)
+    base.update((key, getattr(cfg, field)) for field, key in HF_KEYS.items()      # ids: None keeps
+                if getattr(cfg, field) is not None or not key.endswith("token_id"))   # the source's
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(base, f, indent=1)
+    tensors = {("" if k == "lm_head.weight" else "model.") + k: v.detach().contiguous()
+               for k, v in hf_state_dict(state_dict, parts).items()
+               if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        same = os.path.abspath(src) == os.path.abspath(directory)
+        if os.path.isfile(os.path.join(src, name)) and not same:
+            shutil.copy(os.path.join(src, name), directory)
+    return directory
+
+
+# ----------------------------------------------------------------------------
 # Lecture-scale models without downloads: "random:<preset>" (vLLM's dummy load format)
 # ----------------------------------------------------------------------------
 #
@@ -591,6 +634,12 @@ PRESETS = {
     # meta-llama/Llama-3.1-8B: 8,030,261,248
     "llama-3.1-8b": _llama3(hidden=4096, ffn=14336, layers=32, heads=32, head_dim=128,
                             tied=False, rope_factor=8.0),
+    # nvidia/Llama-3.1-Minitron-4B-Width-Base: 8B pruned in width (hidden 4096 -> 3072, MLP
+    # 14336 -> 9216) and distilled: 4,512,746,496; -Depth-Base: 16 of its 32 layers: 4,540,469,248
+    "llama-3.1-minitron-4b-width": _llama3(hidden=3072, ffn=9216, layers=32, heads=32,
+                                           head_dim=128, tied=False, rope_factor=8.0),
+    "llama-3.1-minitron-4b-depth": _llama3(hidden=4096, ffn=14336, layers=16, heads=32,
+                                           head_dim=128, tied=False, rope_factor=8.0),
     # meta-llama/Llama-3.1-70B: 70,553,706,496 (141 GB in bf16: the meta device, or tensor
     # parallelism)
     "llama-3.1-70b": _llama3(hidden=8192, ffn=28672, layers=80, heads=64, head_dim=128,

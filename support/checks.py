@@ -273,6 +273,16 @@ def check_positive_ints(**values) -> None:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
+def check_prunable(cfg) -> None:
+    """prune.py cuts a plain GQA model's layers, MLP channels and KV groups: MLA, cross-layer
+    attention and sliding windows have units of their own, refused by name."""
+    kinds = [k for k, on in (("MLA (kv_lora_rank)", cfg.kv_lora_rank),
+                             ("CLA (cla_share)", cfg.cla_share > 1),
+                             ("a sliding window", cfg.sliding_window)) if on]
+    if kinds:
+        raise ValueError(f"prune.py prunes plain GQA models; this one has {' and '.join(kinds)}")
+
+
 def check_engine_config(c) -> None:
     """EngineConfig's fields against their declared ranges, then the options that depend
     on each other: a speculative step's k drafts and the token they verify fit one step's

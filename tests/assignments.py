@@ -173,6 +173,11 @@ ASSIGNMENTS = {
         "12. serving (serve.py): streaming",
         "server-sent events: a 200 text/event-stream response, one data: chunk per delta (chat names the "
         "role first), a last chunk with usage, then data: [DONE]"),
+    "pruning": Assignment(
+        "14. pruning + distillation (prune.py): the surgery",
+        "cut: for each kept layer (in its original order) the kept MLP channels' gate and up rows and "
+        "down_proj columns, the kept KV groups' q rows (the group's heads), k and v rows and o_proj "
+        "columns, so that the small model equals the original with the cut units zeroed"),
     "roofline": Assignment(
         "3 and 13. the roofline, counted (model.py)",
         "FLOPs per token: 2 per weight of every matmul (q, k, v, o, gate, up, down, the LM head) plus "

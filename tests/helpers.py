@@ -1,9 +1,7 @@
 """Helpers the tests import: the repository's paths, tiny random Llamas, and
 writing a model as a checkpoint directory. (Fixtures live in conftest.py;
 pytest advises against importing from a conftest.)"""
-import json
 import os
-import shutil
 import sys
 
 import pytest
@@ -15,7 +13,7 @@ if ROOT not in sys.path:
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
 from model import ModelConfig, Transformer, default_model_path, fused_rows  # noqa: E402
-from support.checkpoint import hf_state_dict  # noqa: E402
+from support.checkpoint import hf_state_dict, write_checkpoint  # noqa: E402
 
 
 def hf_sd(model) -> dict:
@@ -49,26 +47,12 @@ def tiny_model(seed: int = 0, **overrides) -> Transformer:
 
 def save_checkpoint(model, directory, tokenizer_from=None):
     """Write a model as a Hugging Face checkpoint directory (config.json +
-    model.safetensors), with the default model's tokenizer files."""
-    from safetensors.torch import save_file
-    os.makedirs(directory, exist_ok=True)
+    model.safetensors), with the default model's tokenizer files (eos 2, bos 1: its ids)."""
+    import dataclasses
     c = model.config
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.dim,
-           "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers,
-           "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
-           "head_dim": c.head_dim, "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_theta,
-           "max_position_embeddings": c.max_seq_len, "vocab_size": c.vocab_size,
-           "tie_word_embeddings": c.tie_embeddings, "eos_token_id": 2, "bos_token_id": 1}
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    tied = c.tie_embeddings
-    sd = {("" if k == "lm_head.weight" else "model.") + k: v.contiguous()    # Hugging Face's names
-          for k, v in hf_sd(model).items() if not (tied and k == "lm_head.weight")}
-    save_file(sd, os.path.join(directory, "model.safetensors"))
-    src = tokenizer_from or default_model_path()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(src, name), directory)
-    return str(directory)
+    c = dataclasses.replace(c, eos_token_id=2 if c.eos_token_id is None else c.eos_token_id,
+                            bos_token_id=1 if c.bos_token_id is None else c.bos_token_id)
+    return write_checkpoint(model.state_dict(), c, fused_rows(c), directory, tokenizer_from or default_model_path())
 
 
 def assert_no_leak(llm):

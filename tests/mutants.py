@@ -258,6 +258,19 @@ BUGS = [
     Bug("mla-absorb", "model.py", "the weighted latents leave through W_UK, not W_UV (equal widths: no shape error)",
         "return torch.einsum(\"nhr,hvr->nhv\", o, w_uv)", "return torch.einsum(\"nhr,hvr->nhv\", o, w_uk)"),
 
+    # ------------------------------------------------------------ pruning (prune.py)
+    Bug("pruning", "prune.py", "a group's query heads taken from offset group x d, as if it had one head",
+        "qr = (grp[:, None] * g * d + ar).flatten()", "qr = (grp[:, None] * d + ar).flatten()"),
+    Bug("pruning", "prune.py", "v's rows taken from k's block of qkv_proj",
+        "(cfg.n_heads + cfg.n_kv_heads) * d + kv])", "cfg.n_heads * d + kv])"),
+    Bug("pruning", "prune.py", "up keeps its first channels, not the kept ones (gate and up disagree)",
+        "torch.cat([gate[ch], up[ch]])", "torch.cat([gate[ch], up[:len(ch)]])"),
+    Bug("pruning", "prune.py", "layers kept in the order of their scores, not their order in the model",
+        "for new, old in enumerate(top(scores[\"layers\"], shape.n_layers).tolist()):",
+        "for new, old in enumerate(scores[\"layers\"].topk(shape.n_layers).indices.tolist()):"),
+    Bug("pruning", "prune.py", "the lowest-scored channels kept (the sign of the score flipped)",
+        "ch = top(scores[\"channels\"][old], shape.ffn_dim)", "ch = top(-scores[\"channels\"][old], shape.ffn_dim)"),
+
     # ------------------------------------------------------------ stop-strings (sampler.py)
     Bug("stop-strings", "sampler.py", "on a mismatch the match restarts from 0 instead of the failure table",
         "while k and s[k] != ch:\n                    k = self.fail[j][k - 1]",

@@ -50,7 +50,7 @@ from tokenizer import Tokenizer
 
 # The results fixture runs every experiment through the whole engine.
 pytestmark = pytest.mark.needs("engine", "model", "sampler", "ngram-drafter", "int8", "int4", "awq", "paged-attention",
-                              "sliding-window", "mla-absorb", "roofline")
+                              "sliding-window", "mla-absorb", "pruning", "roofline")
 
 
 @pytest.fixture(scope="module")
@@ -468,6 +468,28 @@ def test_kv_compression_timed_variants(results):
 
 
 @pytest.mark.timeout(600)
+def test_pruning_cuts_distills_and_times_what_prune_writes(run):
+    """The pruning row on the run's tiny model: the shape prune.target_shape picks, its parameters counted,
+    perplexity of the original, the cut and the distilled model on the evaluation text, every distillation
+    step's KL, and the batch-1 step of the original and of the checkpoint prune wrote, as the engine runs it."""
+    import prune
+    r, cfg = run.results["pruning"], run.cfg
+    shape = prune.target_shape(cfg, r["target"], r["depth_share"])
+    assert (r["params"], r["pruned_params"]) == (prune.n_params(cfg), prune.n_params(shape))
+    assert r["layers"] == [cfg.n_layers, shape.n_layers] and r["ffn_dim"] == [cfg.ffn_dim, shape.ffn_dim]
+    assert r["param_ratio"] == pytest.approx(r["pruned_params"] / r["params"]) and r["param_ratio"] < 1
+    p = r["perplexity"]
+    assert all(1 < p[k] and math.isfinite(p[k]) for k in ("original", "cut", "distilled")), p
+    assert p["original"] == pytest.approx(perplexity(run.model, Tokenizer.from_pretrained(run.path).encode(eval_text())),
+                                          rel=1e-4), "the original's perplexity is the model's own"
+    assert len(r["losses"]) == 2 and all(x > 0 for x in r["losses"]), "cpu-quick distils 2 steps, KL > 0"
+    if p["cut"] > p["original"]:
+        assert r["recovered"] == pytest.approx((p["cut"] - p["distilled"]) / (p["cut"] - p["original"]))
+    assert r["original_step_ms"] > 0 and r["pruned_step_ms"] > 0
+    assert r["speedup"] == pytest.approx(r["original_step_ms"] / r["pruned_step_ms"])
+
+
+@pytest.mark.timeout(600)
 def test_kv_compression_published_arithmetic(results):
     """The lecture's arithmetic, bf16: Llama-2-70B as MHA and GQA-8, DeepSeek-V2's MLA (576 values per
     token per layer = GQA with 2.25 KV heads of 128), Mistral-7B's 4k window at a 128k-token context."""
@@ -686,8 +708,10 @@ def synthetic_results():
     kvc = {"dtype": "float32", "context": 1024, "timed_context": 1006, "batch": 4, "lecture_context": 128,
            "lecture_preset": "llama-3.2-1b",
            "timed_preset": "smollm2-tiny", "lecture": lecture, "timed": timed, "sliding_window": window}
+    pruning = {"model": "random:smollm2-tiny", "perplexity": {"original": 20.0, "cut": 60.0, "distilled": 30.0},
+               "param_ratio": 0.7, "speedup": 1.4, "losses": [2.0, 1.5, 1.2]}
     out = {"roofline": roofline, "batching": batching, "kv-cache": kv, "speculative": spec, "serving": serving,
-           "quantization": quant, "kv-compression": kvc}
+           "quantization": quant, "kv-compression": kvc, "pruning": pruning}
     for r in out.values():
         r.update(meta=META, models={"random:smollm2-tiny": "random weights, made-up shapes"})
     return out
@@ -1076,10 +1100,11 @@ def test_memory_plan_every_experiment_fits_the_card(card, quick):
     assert [r["name"] for r in rows] == list(EXPERIMENTS)
     weights = plan.weight_bytes(Scale(True, quick, model, quality).options())
     for r in rows:      # the engine kept from the experiment before counts in every phase it stays built
-        assert weights <= r["peak"] <= 0.9 * mem or r["name"] == "kv-compression", r
+        assert weights <= r["peak"] <= 0.9 * mem or r["name"] in ("kv-compression", "pruning"), r
     if card == "h100-80gb":
-        assert all(r["peak"] >= 16.06e9 for r in rows if r["name"] != "kv-compression"), \
-            "the 8B preset's bf16 weights alone are 16.1 GB (kv-compression times Llama-3.2-1B, the 8B freed)"
+        assert all(r["peak"] >= 16.06e9 for r in rows if r["name"] not in ("kv-compression", "pruning")), \
+            "the 8B preset's bf16 weights alone are 16.1 GB (kv-compression times Llama-3.2-1B, pruning the " \
+            "default model: the 8B freed)"
 
 
 def test_memory_plan_counts_each_part():
