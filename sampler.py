@@ -58,6 +58,7 @@ class SamplingParams:
     presence_penalty: float = knob(0.0, ge=-2, le=2)
     frequency_penalty: float = knob(0.0, ge=-2, le=2)
     logit_bias: dict[int, float] | None = knob(None, items=1024, ge=-100, le=100)   # id -> + logit
+    allowed_token_ids: list[int] | None = knob(None, items=1 << 20, ge=0, le=2**63 - 1)   # vLLM's
 
     GREEDY_BELOW = 1e-5         # temperatures this small are greedy (logits / 1e-30 would overflow)
 
@@ -71,7 +72,7 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:        # if not, nothing is counted (or biased) for this request
         pens = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
-        return pens != (1, 0, 0) or bool(self.logit_bias)
+        return pens != (1, 0, 0) or bool(self.logit_bias) or self.allowed_token_ids is not None
 
 
 # --- Counter-based noise -----------------------------------------------------
@@ -255,7 +256,8 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
     logit_bias[id] added to its token's logit; a token seen in the prompt or output has its logit
     divided by repetition_penalty if > 0, else multiplied by it; then logit -= presence * (count
     > 0) + frequency * count, counting OUTPUT tokens. Verification row j also counts drafts
-    0..j-1: each position sees its own history, so verifying is exact."""
+    0..j-1: each position sees its own history, so verifying is exact. Last, allowed_token_ids:
+    every other token's logit -inf (a draft outside it has target probability 0: rejected)."""
     (S, K1), V, dev = ridx.shape, logits.shape[1], logits.device
 
     def count(parts):    # [len(parts), V]: how often each part holds each token (one scatter-add)
@@ -279,6 +281,10 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
     x = torch.where(x > 0, x / rep, x * rep)
     x = x - param("presence_penalty") * seen - param("frequency_penalty") * n
     # end assignment
+    for s, r in enumerate(reqs):      # allowed_token_ids (vLLM's): every other token at -inf
+        if (ids := r.params.allowed_token_ids) is not None:
+            others = torch.ones(V, dtype=torch.bool, device=dev)
+            x[s, :, others.index_fill_(0, to_device(ids, dev), False)] = float("-inf")
     return logits.index_put((to_device(ridx.reshape(-1), dev),), x.flatten(0, 1).to(logits.dtype))
 
 

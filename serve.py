@@ -54,7 +54,7 @@ from support.server import (APIError, Metrics, Reply, Server, check_limits, chec
                             check_prompts, checked, engine_config, error_json, exposure_warning,
                             http_limits, one_shot, prompt_text, serve_arguments,
                             serve_until_signal, shutting_down, side_routes, token_keyed,
-                            utf8)
+                            token_list, utf8)
 
 # What a request may say: OpenAI's bodies, whose sampling fields are SamplingParams' own
 # fields with their types (support/schema.py); their ranges SamplingParams checks itself.
@@ -268,7 +268,8 @@ def sampling_params(llm: LLM, body, chat: bool, prompts: list, cap: int | None) 
         "top_k": 0 if body.top_k in (None, -1) else min(body.top_k, llm.config.vocab_size),
         "stop": [utf8(s, "stop") for s in ([stop] if isinstance(stop, str) else stop)],
         "prompt_logprobs": k if not chat and body.echo else None,   # echo: the prompt's too
-        "logit_bias": token_keyed(body.logit_bias, "logit_bias", llm.config.vocab_size),
+        "logit_bias": token_keyed(body.logit_bias, "logit_bias", V := llm.config.vocab_size),
+        "allowed_token_ids": token_list(body.allowed_token_ids, "allowed_token_ids", V),
     }
     api_names = {"max_tokens": mt_name, "logprobs": "top_logprobs" if chat else "logprobs",
                  "prompt_logprobs": "logprobs"}

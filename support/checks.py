@@ -150,6 +150,8 @@ def check_sampling_params(p) -> None:
     """SamplingParams' fields against their declared ranges; then the one rule that joins two
     of them: 0 new tokens is a request that only scores its prompt (prompt_logprobs)."""
     check_fields(p, "SamplingParams.")
+    if getattr(p, "allowed_token_ids", None) == []:
+        raise ValueError("SamplingParams.allowed_token_ids: at least one token (None: every token)")
     if p.max_tokens == 0 and p.prompt_logprobs is None:
         hi = type(p).__dataclass_fields__["max_tokens"].metadata["le"]
         raise ValueError(f"SamplingParams.max_tokens must be an integer in [1, {hi}] "
@@ -169,8 +171,9 @@ def check_request(ids, params, params_type, cfg, max_len: int, max_num_seqs: int
     if not (isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids)):
         raise TypeError("a prompt is a string or a list of token ids")
     ids = check_token_ids(list(ids), cfg.vocab_size)
-    if getattr(params, "logit_bias", None) and max(params.logit_bias) >= cfg.vocab_size:
-        raise ValueError(f"SamplingParams.logit_bias: token ids must be in [0, {cfg.vocab_size})")
+    for name in ("logit_bias", "allowed_token_ids"):       # token ids the model has
+        if getattr(params, name, None) and max(getattr(params, name)) >= cfg.vocab_size:
+            raise ValueError(f"SamplingParams.{name}: token ids must be in [0, {cfg.vocab_size})")
     where = "context" if max_len == cfg.max_seq_len else "KV cache pool"
     check_prompt_length(len(ids), max_len, where)
     check_seats(params.n, max_num_seqs)     # its n samples run side by side

@@ -163,6 +163,13 @@ def token_keyed(mapping, param: str, vocab_size: int):
     return out
 
 
+def token_list(ids, param: str, vocab_size: int):
+    """A list of token ids the model has (vLLM's allowed_token_ids); None stays."""
+    if ids is not None and not all(0 <= t < vocab_size for t in ids):
+        raise APIError(400, f"{param!r} lists token ids: integers in [0, {vocab_size})", param)
+    return ids
+
+
 def prompt_text(llm, text: str, param: str) -> str:
     """A prompt's text (or a chat's messages'), checked before any tokenizer work: UTF-8, no more
     bytes than the context's tokens can hold, no character the vocabulary would drop

@@ -309,6 +309,43 @@ def test_logit_bias_is_added_before_the_penalties_on_every_verified_row():
     assert got == [9], "bias first: (1 + 2) / 1.3 = 2.31 < 2.5 (the penalty first would give 1 / 1.3 + 2 = 2.77)"
 
 
+@pytest.mark.needs("sampler")
+def test_allowed_token_ids_masks_every_other_token():
+    """SamplingParams.allowed_token_ids (vLLM's): sample_tokens gives exactly the tokens of the same
+    request on logits with every other token set to -inf by hand (greedy and seeded sampling, drafts
+    to verify, with a penalty and a bias beside it); every token out is allowed; an allowed set of
+    one token forces it; a batch-mate without it is untouched."""
+    torch.manual_seed(4)
+    V, prompt, output = 40, [1, 2, 3], [4, 5]
+    for trial in range(24):
+        K = trial % 3
+        logits = torch.randn(K + 1, V)
+        drafts = logits[:K].argmax(-1).tolist()             # raw argmaxes: often outside the set
+        allowed = torch.randperm(V)[:5].tolist()
+        extra = dict(repetition_penalty=1.3, logit_bias={allowed[0]: 1.5}) if trial % 2 else {}
+        by_hand = torch.full_like(logits, float("-inf"))
+        by_hand[:, allowed] = logits[:, allowed]
+        for temp in (0.0, 0.8):
+            got, want = (sample_tokens(x, [SampleRequest(0, drafts, SamplingParams(
+                temperature=temp, seed=5, allowed_token_ids=a, **extra), 3, len(output), prompt + output)])[0][0]
+                for x, a in ((logits, allowed), (by_hand, None)))
+            assert got == want, f"trial {trial}, T {temp}: {got} with allowed_token_ids, {want} masked by hand"
+            assert set(got) <= set(allowed), f"a token outside allowed_token_ids came out: {got}"
+    logits = torch.randn(2, V)
+    free = sample_tokens(logits, [ask(1, SamplingParams())])[0][0]
+    out = sample_tokens(logits, [ask(0, SamplingParams(allowed_token_ids=[11])), ask(1, SamplingParams())])
+    assert out[0][0] == [11] and out[1][0] == free, "one allowed token is forced; the batch-mate unchanged"
+    from types import SimpleNamespace
+
+    from support.checks import check_request
+    for bad in ([-1], []):              # not a token id; nothing allowed (None: everything)
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="allowed_token_ids"):          # a token the model does not have
+        check_request([1], SamplingParams(allowed_token_ids=[V]), SamplingParams,
+                      SimpleNamespace(vocab_size=V, max_seq_len=64), 64, 4)
+
+
 def penalized_batch(llm):
     """Prompts and params for the penalty tests: every penalty, a repeated prompt, a plain greedy
     batch-mate; "x y": the tiny model's greedy text repeats itself there, so every penalty changes it."""

@@ -1749,6 +1749,15 @@ def test_every_documented_openai_field_is_accepted_at_null_and_named_when_unsupp
     assert status == 200 and out["choices"][0]["text"] == server.engine.llm.tokenizer.decode([42] * 4), out
     for bad in ({"x": 1}, {"42": 101}, {"42": "a"}, {str(10**9): 1}):
         assert_error(*request(server, "POST", "/v1/completions", {"prompt": "Hi", "logit_bias": bad}), 400, "logit_bias")
+    # allowed_token_ids (vLLM's extra field): only those tokens come out; an id past the vocabulary is named
+    status, out = request(server, "POST", "/v1/completions",
+                          {"prompt": "Hi", "max_tokens": 4, "temperature": 1.0, "seed": 3, "allowed_token_ids": [42, 43],
+                           "logprobs": 0})
+    assert status == 200 and set(out["choices"][0]["logprobs"]["tokens"]) <= {
+        server.engine.llm.tokenizer.decode([t]) for t in (42, 43)}, out
+    for bad in ([], [10**9], ["a"]):
+        assert_error(*request(server, "POST", "/v1/completions", {"prompt": "Hi", "allowed_token_ids": bad}), 400,
+                     "allowed_token_ids")
 
 
 def test_the_server_describes_itself(server):

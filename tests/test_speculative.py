@@ -528,3 +528,21 @@ def test_logit_bias_holds_under_speculation(tiny_path):
     force = SamplingParams(max_tokens=16, ignore_eos=True, logit_bias={plain[5]: 100.0})   # t t t ...: drafts
     assert spec.generate([prompt], force)[0].token_ids == [plain[5]] * 16 == llm.generate([prompt], force)[0].token_ids
     assert spec.stats["accepted_tokens"] > 0, "the drafter's repeats were meant to be accepted"
+
+
+@pytest.mark.needs("engine", "sampler", "ngram-drafter")
+def test_allowed_token_ids_hold_under_speculation(tiny_path):
+    """allowed_token_ids through the engine: greedy with n-gram drafts equals greedy without (a draft
+    outside the set has target probability 0: rejected), and nothing outside the set comes out,
+    greedy or sampled (speculation keeps the sampled distribution, not the draws)."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    spec = LLM(tiny_path, kv_cache_bytes=4 << 20, speculative="ngram", num_speculative_tokens=3)
+    prompt = llm.tokenizer.encode("a b c a b c a b c a b")
+    plain = llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+    allowed = sorted(set(plain[:4]) | set(prompt[:3]))
+    for temp in (0.0, 0.9):
+        p = SamplingParams(max_tokens=16, ignore_eos=True, allowed_token_ids=allowed, temperature=temp, seed=1)
+        masked, drafted = (e.generate([prompt], p)[0].token_ids for e in (llm, spec))
+        assert drafted == masked or temp > 0, "n-gram speculation changed a masked greedy output"
+        assert set(masked) | set(drafted) <= set(allowed), (masked, drafted, allowed)
+    assert_no_leak(spec)
