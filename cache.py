@@ -39,7 +39,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from model import in_window
-from support.checks import check_local_global, check_positive_ints
+from support.checks import check_block_pool, check_local_global, check_positive_ints
 
 
 # --- Memory accounting: the lecture's formula, used to size the pool ----------
@@ -248,10 +248,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  sliding_window=None):
-        check_positive_ints(block_size=block_size,
-                            sliding_window=1 if sliding_window is None else sliding_window)
-        if num_blocks < 1:
-            raise ValueError("the KV cache has no blocks")
+        check_block_pool(num_blocks, block_size, sliding_window)   # support/checks.py
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks             # sequences using each block (0: free)

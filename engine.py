@@ -59,6 +59,7 @@ from speculative import MAX_SPECULATIVE_TOKENS, make_drafter
 from support import checks
 from support.calibration import calibration_ids
 from support.checkpoint import tokenizer_path
+from support.structured import make_grammar
 from support.timing import choose_weight_layout, step_memory
 from tokenizer import Tokenizer
 
@@ -228,7 +229,8 @@ class LLM(Isolation):
                                    self.scheduler.max_num_seqs)
         request_id = checks.new_request_id(request_id, self.requests, self._request_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
-        req = Request(request_id, ids, params, time.perf_counter(), seed)
+        grammar = make_grammar(params.structured_outputs, self.tokenizer)   # None: unconstrained
+        req = Request(request_id, ids, params, time.perf_counter(), seed, grammar)
         req.seqs.append(Sequence(req, ids, 0, self.tokenizer))   # n > 1: forked after the prompt
         self.requests[request_id] = req
         self.scheduler.waiting.append(req.seqs[0])               # FCFS: at the back of the queue
@@ -450,7 +452,7 @@ class Speculation:
             seq.draft_tokens, seq.draft_probs = [], None
             k = min(self.k, seq.params.max_tokens - seq.num_output - 1,
                     max_len - len(seq.token_ids) - 1)
-            if seq.remaining == 1 and k > 0:
+            if seq.remaining == 1 and k > 0 and seq.grammar is None:   # a grammar: no drafts
                 asks.append((seq, (seq.seq_id, seq.token_ids, k)))
         def propose(part):     # draft_sampler: each request's own params and noise
             return self.drafter.propose([a for _, a in part], draft_sampler(part))

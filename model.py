@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from support import checkpoint
+from support import checkpoint, checks
 from support.default_model import default_model_path  # noqa: F401 (re-exported)
 
 
@@ -367,11 +367,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
     """The new tokens, each by re-running the whole sequence through the dense path: no KV cache,
     so T tokens cost O(T^2) token-passes instead of O(T). The reference the cached engine must
     reproduce token for token, and bench.py's kv-cache baseline."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: there is no token to condition on")
-    if len(prompt_ids) + max_new_tokens > model.config.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
-                         f"exceeds the model's context of {model.config.max_seq_len} tokens")
+    checks.check_naive_generate(prompt_ids, max_new_tokens, model.config.max_seq_len)
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=model.embed_tokens.weight.device)
     out = []
     for _ in range(max_new_tokens):

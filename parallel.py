@@ -322,10 +322,8 @@ class TensorParallelGroup(WorkerGroup):
                  startup_timeout_s: float = 600.0):
         device_type = torch.device(device).type
         self.full_config, self.cache = read_config(path), None
-        check_tensor_parallel(self.full_config, world_size, device_type)   # before any process
-        if quantization not in (None, "int8"):          # the slicing knows int8's layout only
-            raise ValueError(f"tensor parallelism shards float or int8 weights, not "
-                             f"{quantization!r}")
+        # before any process: whole heads per rank, float or int8 weights
+        check_tensor_parallel(self.full_config, world_size, device_type, quantization)
         spec = WorkerSpec(path, world_size, device_type, dtype, quantization, collective_timeout_s)
         super().__init__(spec, load_shard, _worker_loop, startup_timeout_s)
 

@@ -2,11 +2,11 @@
 sampler.py -- sampling that costs what a request asks for.
 
 The lesson: sampling is per request (temperature, top-k/p, min-p, penalties, logit bias, a
-seed), yet it
-runs as ONE batched operation per step, each row paying only for what it asks: greedy rows are
-one argmax (no sort, softmax or noise); top-k rows pay for a topk, top-p < 1 for a sort,
-penalties for counting their history, a logit bias for its few entries. Each sampled row
-draws with ONE uniform, by inverse CDF.
+grammar, a seed), yet it runs as ONE batched operation per step, each row paying only for what
+it asks: greedy rows are one argmax (no sort, softmax or noise); top-k rows pay for a topk,
+top-p < 1 for a sort, penalties for counting their history, a logit bias for its few entries,
+a structured output (JSON schema, regex, choice) for its grammar's mask: the tokens that keep
+the output valid, every other logit -inf. Each sampled row draws with ONE uniform, by inverse CDF.
 
 The uniforms are counter-based, a pure function u = hash(key, output position, stream) like
 JAX's or Philox's counters (a per-request torch.Generator is sequential state: one launch per
@@ -59,6 +59,9 @@ class SamplingParams:
     frequency_penalty: float = knob(0.0, ge=-2, le=2)
     logit_bias: dict[int, float] | None = knob(None, items=1024, ge=-100, le=100)   # id -> + logit
     allowed_token_ids: list[int] | None = knob(None, items=1 << 20, ge=0, le=2**63 - 1)   # vLLM's
+    # vLLM's structured outputs, one of: {"json": schema}, {"json_object": True}, {"regex": r},
+    # {"choice": [...]}, {"grammar": lark}; the output follows it (penalize, below)
+    structured_outputs: dict | None = knob(None)
 
     GREEDY_BELOW = 1e-5         # temperatures this small are greedy (logits / 1e-30 would overflow)
 
@@ -72,7 +75,8 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:        # if not, nothing is counted (or biased) for this request
         pens = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
-        return pens != (1, 0, 0) or bool(self.logit_bias) or self.allowed_token_ids is not None
+        masked = self.allowed_token_ids is not None or self.structured_outputs is not None
+        return pens != (1, 0, 0) or bool(self.logit_bias) or masked
 
 
 # --- Counter-based noise -----------------------------------------------------
@@ -162,6 +166,7 @@ class SampleRequest:
     position: int                  # output index of the first token it will get
     token_ids: list = ()           # the sequence so far (prompt, `position` outputs): penalties
     draft_probs: torch.Tensor | None = None   # [len(drafts), V] of a draft model (None: one-hot)
+    grammar: object = None         # a structured request's place in its grammar (sequence.py)
 
 
 def sample_tokens(logits, reqs: list[SampleRequest], also=()):
@@ -256,8 +261,10 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
     logit_bias[id] added to its token's logit; a token seen in the prompt or output has its logit
     divided by repetition_penalty if > 0, else multiplied by it; then logit -= presence * (count
     > 0) + frequency * count, counting OUTPUT tokens. Verification row j also counts drafts
-    0..j-1: each position sees its own history, so verifying is exact. Last, allowed_token_ids:
-    every other token's logit -inf (a draft outside it has target probability 0: rejected)."""
+    0..j-1: each position sees its own history, so verifying is exact. Last, allowed_token_ids
+    and a grammar (structured outputs): every token they do not allow at -inf (a draft outside
+    them has target probability 0: rejected). The grammar's mask is computed on the host while
+    the device runs the step's forward; its cost is per structured request, not per batch."""
     (S, K1), V, dev = ridx.shape, logits.shape[1], logits.device
 
     def count(parts):    # [len(parts), V]: how often each part holds each token (one scatter-add)
@@ -283,8 +290,11 @@ def penalize(logits, reqs: list[SampleRequest], ridx):
     # end assignment
     for s, r in enumerate(reqs):      # allowed_token_ids (vLLM's): every other token at -inf
         if (ids := r.params.allowed_token_ids) is not None:
-            others = torch.ones(V, dtype=torch.bool, device=dev)
-            x[s, :, others.index_fill_(0, to_device(ids, dev), False)] = float("-inf")
+            x[s, :, ~torch.isin(torch.arange(V, device=dev), to_device(ids, dev))] = float("-inf")
+        if r.grammar is not None:     # a grammar: the tokens it allows next, one bit each. Bit b
+            # of int32 word w is token 32 w + b (support/structured.py computes it on the host)
+            bits = to_device(r.grammar.bitmask(V), dev)[:, None] >> torch.arange(32, device=dev)
+            x[s, :, (bits & 1).flatten()[:V] == 0] = float("-inf")    # & 1: bit 31's sign too
     return logits.index_put((to_device(ridx.reshape(-1), dev),), x.flatten(0, 1).to(logits.dtype))
 
 
@@ -308,11 +318,6 @@ def to_device(data, dev, dtype=None) -> torch.Tensor:
     memory first waits for every queued kernel (the forward); from pinned memory it is queued."""
     t = torch.as_tensor(data, dtype=dtype)
     return t.pin_memory().to(dev, non_blocking=True) if torch.device(dev).type == "cuda" else t
-
-
-def fetch(*tensors) -> list:
-    """Device -> host lists with ONE wait: the step's only synchronization."""
-    return Fetch(tensors).wait()
 
 
 class Fetch:
@@ -359,7 +364,7 @@ def sample_requests(batch, scheduler, tokenizer):
             forked = [seq] + scheduler.fork(seq, item.start + item.count, tokenizer)
             if seq.params.max_tokens:          # max_tokens=0 only scores its prompt: no sample
                 asks += [(s, SampleRequest(len(rows), [], s.params, s.key, s.num_output,
-                                           s.token_ids)) for s in forked]
+                                           s.token_ids, grammar=s.grammar)) for s in forked]
                 rows.append(end - 1)
     return asks, rows + prompt_rows, scored
 
@@ -399,7 +404,7 @@ def sample_isolated(logits, asks, fail, also=()):
         return sample_tokens(logits, [a for _, a in part], also if part is asks else ())
     new = batch_then_each(run, asks, fail, "sampling", ([], None, True))   # skipped: it failed
     if also and torch.is_tensor(also[0]):
-        also[:] = fetch(*also)
+        also[:] = Fetch(also).wait()
     return new
 
 

@@ -53,6 +53,8 @@ class Sequence:
         self.key = sample_key(request.seed, index)
         self.draft_tokens: list[int] = []        # proposed this step (speculative decoding)
         self.draft_probs = None                  # their draft distributions [k, V] (None: one-hot)
+        # structured outputs: its own place in the request's grammar (n samples go their ways)
+        self.grammar = request.grammar.fork() if request.grammar is not None else None
         self.decoder = IncrementalDecoder(tokenizer)
         self.stops = StopStrings(self.params.stop) if self.params.stop else None
         self.pieces: list[str] = []              # the text, in the pieces released so far
@@ -91,11 +93,14 @@ class Sequence:
         if self.logprobs is not None:
             self.logprobs.append(logprob)
         p = self.params
+        # structured outputs: the grammar takes every token; once complete (nothing but EOS may
+        # follow) it stops the output as EOS does
+        done = self.grammar is not None and self.grammar.consume(token)
         # token by token: a speculative step stops exactly where plain decoding would have
         hit = self.add_text(self.decoder.push(token))                    # a stop string completed
         # EOS is kept in token_ids (as Hugging Face does) but decodes to no text: IncrementalDecoder
         # skips special tokens
-        if hit or (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+        if hit or done or (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
         elif self.num_output >= p.max_tokens or len(self.token_ids) >= max_len:
             reason = "length"
@@ -136,9 +141,10 @@ class Sequence:
 class Request:
     """What a user asked for: a prompt, its params, and its n sequences."""
 
-    def __init__(self, request_id, prompt_ids, params, arrival_time, seed: int):
+    def __init__(self, request_id, prompt_ids, params, arrival_time, seed: int, grammar=None):
         self.request_id, self.prompt_ids = request_id, prompt_ids
         self.params, self.seed = params, seed
+        self.grammar = grammar   # structured outputs: the grammar unstarted; each sample forks it
         self.seqs: list[Sequence] = []
         self.metrics = RequestMetrics(arrival_time=arrival_time, prompt_tokens=len(prompt_ids))
         self.error: str | None = None

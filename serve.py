@@ -53,8 +53,8 @@ from support.schema import Message, StreamOptions, request_models, sampling_fiel
 from support.server import (APIError, Metrics, Reply, Server, check_limits, check_model,
                             check_prompts, checked, engine_config, error_json, exposure_warning,
                             http_limits, one_shot, prompt_text, serve_arguments,
-                            serve_until_signal, shutting_down, side_routes, token_keyed,
-                            token_list, utf8)
+                            serve_until_signal, shutting_down, side_routes,
+                            structured_outputs, token_keyed, token_list, utf8)
 
 # What a request may say: OpenAI's bodies, whose sampling fields are SamplingParams' own
 # fields with their types (support/schema.py); their ranges SamplingParams checks itself.
@@ -258,6 +258,7 @@ def sampling_params(llm: LLM, body, chat: bool, prompts: list, cap: int | None) 
     if chat and body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     k = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
+    structured, structured_name = structured_outputs(body)   # response_format, guided_json, ...
     sent = {name: getattr(body, name) for name in SAMPLING_FIELDS
             if getattr(body, name) is not None}
     stop = sent.get("stop", [])
@@ -270,9 +271,10 @@ def sampling_params(llm: LLM, body, chat: bool, prompts: list, cap: int | None) 
         "prompt_logprobs": k if not chat and body.echo else None,   # echo: the prompt's too
         "logit_bias": token_keyed(body.logit_bias, "logit_bias", V := llm.config.vocab_size),
         "allowed_token_ids": token_list(body.allowed_token_ids, "allowed_token_ids", V),
+        "structured_outputs": structured,
     }
     api_names = {"max_tokens": mt_name, "logprobs": "top_logprobs" if chat else "logprobs",
-                 "prompt_logprobs": "logprobs"}
+                 "prompt_logprobs": "logprobs", "structured_outputs": structured_name}
     params = checked(SamplingParams, api_names, **{**sent, **spelled})
     # This server's limits: seats in the batch, and the work (all n samples x max_tokens) one
     # request holds

@@ -13,6 +13,7 @@ the table, `plot(results) -> Figure`, drawn from the results dict alone.
   batching              decode step time and tokens/s from batch 1 up: the knee
   continuous-vs-static  a heterogeneous workload, static groups vs continuous batching
   prefix                a long shared system prompt, prefix caching off vs on
+  structured            half the batch under a JSON schema (grammar masks) vs none: tokens/s, validity
   speculative           n-gram (or --draft) drafts at k = 1..8: acceptance, speedup, prediction
   quantization          float, fp8, int8, LLM.int8(), int4, AWQ (and int8 KV): bytes, tokens/s, perplexity
   compile               the eager step (host-bound on a GPU) vs the compiled one, and the compile time
@@ -30,10 +31,10 @@ import os
 
 from experiments import (batching, compiled, continuous_vs_static, kv_cache, kv_compression, overhead, peer,
                          prefix, pruning, quantization, roofline, serving, speculative_decoding,
-                         tensor_parallel)
+                         structured, tensor_parallel)
 
 EXPERIMENTS = {m.NAME: m for m in (overhead, roofline, kv_cache, batching, continuous_vs_static, prefix,
-                                   speculative_decoding, quantization, compiled, peer, serving, tensor_parallel,
+                                   structured, speculative_decoding, quantization, compiled, peer, serving, tensor_parallel,
                                    kv_compression, pruning)}
 PLOTS = {name: m.plot for name, m in EXPERIMENTS.items() if hasattr(m, "plot")}
 

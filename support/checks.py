@@ -152,6 +152,10 @@ def check_sampling_params(p) -> None:
     check_fields(p, "SamplingParams.")
     if getattr(p, "allowed_token_ids", None) == []:
         raise ValueError("SamplingParams.allowed_token_ids: at least one token (None: every token)")
+    if getattr(p, "structured_outputs", None) is not None:     # it compiles (support/structured)
+        from support.structured import grammar_text           # llguidance: loaded when first asked
+        with naming("SamplingParams.structured_outputs"):
+            grammar_text(p.structured_outputs)
     if p.max_tokens == 0 and p.prompt_logprobs is None:
         hi = type(p).__dataclass_fields__["max_tokens"].metadata["le"]
         raise ValueError(f"SamplingParams.max_tokens must be an integer in [1, {hi}] "
@@ -270,6 +274,23 @@ def check_chat(messages, chat_template: str | None) -> None:
 # Engine options
 # ----------------------------------------------------------------------------
 
+def check_block_pool(num_blocks: int, block_size: int, sliding_window) -> None:
+    """cache.BlockManager's pool: at least one block, a positive block size and window."""
+    check_positive_ints(block_size=block_size,
+                        sliding_window=1 if sliding_window is None else sliding_window)
+    if num_blocks < 1:
+        raise ValueError("the KV cache has no blocks")
+
+
+def check_naive_generate(prompt_ids, max_new_tokens: int, max_seq_len: int) -> None:
+    """model.generate's arguments: a prompt to condition on, and room for the new tokens."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: there is no token to condition on")
+    if len(prompt_ids) + max_new_tokens > max_seq_len:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                         f"exceeds the model's context of {max_seq_len} tokens")
+
+
 def check_positive_ints(**values) -> None:
     for name, v in values.items():
         if not is_int(v) or v < 1:
@@ -336,11 +357,14 @@ def resolve_device_dtype(device, dtype, quantization):
     return device, dtype
 
 
-def check_tensor_parallel(cfg, world_size: int, device_type: str = "cpu") -> None:
+def check_tensor_parallel(cfg, world_size: int, device_type: str = "cpu",
+                          quantization=None) -> None:
     """parallel.py's split needs each rank to own whole heads, KV heads, FFN columns and
-    vocabulary rows (vLLM replicates KV heads and pads the vocabulary; we refuse), and one
-    GPU per rank on CUDA."""
+    vocabulary rows (vLLM replicates KV heads and pads the vocabulary; we refuse), one GPU per
+    rank on CUDA, and float or int8 weights (the slicing knows int8's layout only)."""
     check_world_size(world_size, device_type)      # a positive integer; on CUDA, that many GPUs
+    if quantization not in (None, "int8"):
+        raise ValueError(f"tensor parallelism shards float or int8 weights, not {quantization!r}")
     if cfg.global_every:
         raise ValueError("tensor parallelism with local + global layers (global_every) is not "
                          "implemented")

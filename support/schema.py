@@ -74,8 +74,6 @@ NOTHING = {                                # field: (values that ask for nothing
     "verbosity": ((None,), "verbosity is not implemented"),
     "web_search_options": ((None,), "web search is not implemented"),
     "moderation": ((None,), "moderation is not implemented"),
-    "response_format": ((None, {"type": "text"}), "structured outputs (json_object, "
-                        "json_schema) are not implemented yet"),
     "store": ((None, False), "completions are not stored"),
     "service_tier": ((None, "auto", "default"), "one service tier"),
     "prompt_cache_retention": ((None,), "the prefix cache keeps blocks while memory allows"),
@@ -84,6 +82,27 @@ NOTHING = {                                # field: (values that ask for nothing
 HINTS = ("metadata", "parallel_tool_calls", "prompt_cache_key", "prompt_cache_options",
          "safety_identifier")
 CHAT_ONLY = tuple(f for f in NOTHING if f != "suffix")         # completions' own: suffix
+
+
+# Structured outputs (support/structured.py): OpenAI's response_format, and vLLM's older
+# guided_* fields beside SamplingParams' own structured_outputs (support/server.py picks one)
+class JSONSchemaFormat(Schema):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")   # None: any object
+    strict: bool | None = None                  # always strict here: the output follows the schema
+    description: str | None = None
+
+
+class ResponseFormat(Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}           # vLLM's name -> structured_outputs' key
+GUIDED_TYPES = {"guided_json": dict[str, Any] | str, "guided_regex": str,
+                "guided_choice": list[str], "guided_grammar": str}
 
 
 def unsupported(body, chat: bool) -> tuple[str, str] | None:
@@ -103,6 +122,8 @@ def request_models(params_type) -> tuple[type, type]:
     sampling = create_model("Sampling", __base__=Schema, model=(str | None, None),
                             stream=(bool | None, None), stream_options=(StreamOptions | None, None),
                             user=(str | None, None), logit_bias=(dict[str, Any] | None, None),
+                            response_format=(ResponseFormat | None, None),
+                            **{f: (t | None, None) for f, t in GUIDED_TYPES.items()},
                             **sampling_fields(params_type))
     completion = create_model(
         "CompletionRequest", __base__=sampling,

