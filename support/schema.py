@@ -75,13 +75,14 @@ NOTHING = {                                # field: (values that ask for nothing
     "web_search_options": ((None,), "web search is not implemented"),
     "moderation": ((None,), "moderation is not implemented"),
     "store": ((None, False), "completions are not stored"),
+    "structural_tag": ((None,), "structural tags (vLLM's tool-call formats) are not implemented"),
     "service_tier": ((None, "auto", "default"), "one service tier"),
     "prompt_cache_retention": ((None,), "the prefix cache keeps blocks while memory allows"),
 }
 # Accepted as sent: they change nothing this server returns (hints, labels, one tier of cache).
 HINTS = ("metadata", "parallel_tool_calls", "prompt_cache_key", "prompt_cache_options",
          "safety_identifier")
-CHAT_ONLY = tuple(f for f in NOTHING if f != "suffix")         # completions' own: suffix
+CHAT_ONLY = tuple(f for f in NOTHING if f not in ("suffix", "structural_tag"))   # both: vLLM's
 
 
 # Structured outputs (support/structured.py): OpenAI's response_format, and vLLM's older
@@ -102,7 +103,9 @@ class ResponseFormat(Schema):
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}           # vLLM's name -> structured_outputs' key
 GUIDED_TYPES = {"guided_json": dict[str, Any] | str, "guided_regex": str,
-                "guided_choice": list[str], "guided_grammar": str}
+                "guided_choice": list[str], "guided_grammar": str,
+                "guided_whitespace_pattern": str,    # structured_outputs' whitespace_pattern
+                "guided_decoding_backend": str}      # accepted as a hint: the backend is llguidance
 
 
 def unsupported(body, chat: bool) -> tuple[str, str] | None:
@@ -123,6 +126,7 @@ def request_models(params_type) -> tuple[type, type]:
                             stream=(bool | None, None), stream_options=(StreamOptions | None, None),
                             user=(str | None, None), logit_bias=(dict[str, Any] | None, None),
                             response_format=(ResponseFormat | None, None),
+                            structural_tag=(Any, None),
                             **{f: (t | None, None) for f, t in GUIDED_TYPES.items()},
                             **sampling_fields(params_type))
     completion = create_model(

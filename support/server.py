@@ -189,6 +189,11 @@ def structured_outputs(body) -> tuple[dict | None, str]:
         raise APIError(400, f"ask for one structured output at a time, got {sorted(asked)}",
                        sorted(asked)[1])
     name, spec = next(iter(asked.items()), ("structured_outputs", None))
+    if (ws := body.guided_whitespace_pattern) is not None:       # vLLM's older spelling
+        if spec is None:
+            raise APIError(400, "'guided_whitespace_pattern' shapes a JSON output: send it with "
+                           "guided_json or response_format", "guided_whitespace_pattern")
+        spec = {**spec, "whitespace_pattern": ws}
     return spec, name
 
 

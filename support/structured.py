@@ -13,8 +13,9 @@ dependencies; grammars build lazily in < 1 ms and a mask costs ~10-50 us at a 49
 on a CPU: docs/notes/structured-outputs.md compares it with xgrammar and outlines-core).
 Its torch helper is not imported (llguidance.torch costs ~5 s of torch.compile import).
 
-JSON's layout is fixed to json.dumps' (", " and ": ", no other whitespace): a small model that
-may put whitespace anywhere can loop on newlines until max_tokens.
+JSON's layout is json.dumps' (", " and ": ", no other whitespace) unless a request asks for
+another (vLLM's options): a small model that may put whitespace anywhere can loop on newlines
+until max_tokens.
 Imports: the standard library, torch and llguidance (optional: without it a grammar is refused,
 saying what to install); the tokenizer is passed in.
 """
@@ -32,12 +33,18 @@ except ImportError:
     llguidance = None
 MISSING = "structured outputs need llguidance (pip install llguidance==1.9.1)"
 
-# vLLM's StructuredOutputsParams: exactly one of these, and what each holds
+# vLLM's StructuredOutputsParams: exactly one of these, and what each holds ...
 KINDS = {"json": "a JSON schema (an object, or its JSON text)",
          "json_object": "true: any JSON object (OpenAI's JSON mode)",
          "regex": "a regular expression the whole output matches",
          "choice": "a list of strings: the output is one of them",
          "grammar": "a Lark grammar (llguidance's dialect)"}
+# ... and its options for JSON (a client that sends every field sends them at null or false)
+OPTIONS = {"whitespace_pattern": "a regex for the whitespace JSON may hold (default: none but "
+                                 "json.dumps' single spaces)",
+           "disable_any_whitespace": "true: JSON without any whitespace",
+           "disable_additional_properties": "true: objects hold only the properties they list",
+           "disable_fallback": "accepted: there is one backend, llguidance"}
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -47,23 +54,21 @@ def grammar_text(spec: dict) -> str:
     that does not compile). No tokenizer needed: this runs when the params are made."""
     if llguidance is None:
         raise ValueError(MISSING)
-    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
-        raise ValueError("must be a dict of exactly one of: "
-                         + "; ".join(f"{k!r}: {v}" for k, v in KINDS.items()))
-    (kind, value), = spec.items()
+    if not isinstance(spec, dict):
+        raise ValueError("must be a dict such as {'json': schema}")
+    if spec.get("structural_tag") is not None:             # vLLM's tool-call tags: not here
+        raise ValueError("'structural_tag' is not supported by this engine; send null or omit it")
+    unknown = set(spec) - set(KINDS) - set(OPTIONS) - {"structural_tag"}
+    kinds = [k for k in KINDS if spec.get(k) not in (None, False)]    # null / false: not asked
+    if unknown or len(kinds) != 1:
+        raise ValueError((f"unknown key(s) {sorted(unknown)}; " if unknown else "")
+                         + "exactly one of: " + "; ".join(f"{k!r}: {v}" for k, v in KINDS.items())
+                         + "; and optionally, for JSON: "
+                         + "; ".join(f"{k!r}: {v}" for k, v in OPTIONS.items()))
+    kind, value = kinds[0], spec[kinds[0]]
     M = llguidance.LLMatcher
     if kind in ("json", "json_object"):
-        if kind == "json_object" and value is not True:
-            raise ValueError("'json_object' must be true")
-        schema = {"type": "object"} if kind == "json_object" else value
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError("a JSON schema is an object (or true / false)")
-        text = M.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+        text = M.grammar_from_json_schema(json_schema(kind, value, spec), overrides=layout(spec))
     elif kind == "regex" and isinstance(value, str):
         text = M.grammar_from_regex(value)
     elif kind == "choice" and isinstance(value, list) and value \
@@ -77,6 +82,44 @@ def grammar_text(spec: dict) -> str:
         what = {"json": "JSON schema", "json_object": "JSON grammar"}.get(kind, kind)
         raise ValueError(f"the {what} does not compile: {error.strip()[:500]}")
     return text
+
+
+def json_schema(kind: str, value, spec: dict):
+    """The schema to compile: JSON mode's any-object, or the one given (as JSON text too),
+    closed everywhere with disable_additional_properties (vLLM's option)."""
+    if kind == "json_object" and value is not True:
+        raise ValueError("'json_object' must be true")
+    schema = {"type": "object"} if kind == "json_object" else value
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("a JSON schema is an object (or true / false)")
+    return closed(schema) if spec.get("disable_additional_properties") else schema
+
+
+def closed(schema):
+    """Every object schema without additionalProperties gets additionalProperties: false."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def layout(spec: dict) -> dict:
+    """llguidance's JSON options: json.dumps' layout unless asked otherwise."""
+    pattern, compact = spec.get("whitespace_pattern"), spec.get("disable_any_whitespace")
+    if pattern is not None and not isinstance(pattern, str):
+        raise ValueError("'whitespace_pattern' must be a regular expression (a string)")
+    if compact:
+        return {"whitespace_flexible": False}                 # "," and ":", nothing between
+    return {"whitespace_pattern": pattern} if pattern else JSON_LAYOUT
 
 
 class Grammar:

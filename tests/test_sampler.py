@@ -665,6 +665,36 @@ def test_a_grammar_that_does_not_compile_is_refused_with_params(spec, match):
     assert match in str(e.value), str(e.value)
 
 
+def test_vllm_structured_output_options_shape_the_json(real_tokenizer):
+    """structured_outputs takes vLLM's options beside its one kind (a client that sends every field sends the
+    others at null or false): JSON is json.dumps' layout by default, compact with disable_any_whitespace, any
+    whitespace the pattern allows with whitespace_pattern; objects are open (JSON Schema) unless
+    disable_additional_properties closes every one; structural_tag is refused by name."""
+    from support.structured import make_grammar
+
+    def accepts(spec, text):
+        grammar = make_grammar(spec, real_tokenizer)
+        try:
+            for t in real_tokenizer.encode(text):
+                grammar.consume(t)
+        except ValueError:                                  # a token the grammar refuses
+            return False
+        return grammar.matcher.is_accepting()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "o": {"type": "object"}}, "required": ["a"]}
+    nulls = {"regex": None, "choice": None, "grammar": None, "json_object": False, "structural_tag": None,
+             "disable_any_whitespace": False, "disable_additional_properties": False, "whitespace_pattern": None}
+    assert accepts({"json": schema, **nulls}, '{"a": 1, "b": 2}'), "a schema's objects are open by default"
+    closed = {"json": schema, "disable_additional_properties": True}
+    assert not accepts(closed, '{"a": 1, "b": 2}') and not accepts(closed, '{"a": 1, "o": {"x": 1}}')
+    assert accepts(closed, '{"a": 1, "o": {}}')
+    assert accepts({"json": schema}, '{"a": 1}') and not accepts({"json": schema}, '{"a":1}'), "json.dumps' layout"
+    assert accepts({"json": schema, "disable_any_whitespace": True}, '{"a":1}')
+    assert not accepts({"json": schema, "disable_any_whitespace": True}, '{"a": 1}')
+    assert accepts({"json": schema, "whitespace_pattern": r"[ \n]*"}, '{\n  "a": 1\n}')
+    with pytest.raises(ValueError, match="structural_tag"):
+        SamplingParams(structured_outputs={"regex": "a", "structural_tag": "<t>"})
+
+
 def json_checker(schema):
     import jsonschema
 

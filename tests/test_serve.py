@@ -1799,6 +1799,14 @@ def test_structured_outputs_over_http_with_the_openai_client(server, served_name
         assert status == 200, (name, out)
         for c in out["choices"]:
             assert c["finish_reason"] == "stop" and check(c["text"]), (name, c)
+    vllm_style = [{"guided_json": {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]},
+                   "guided_whitespace_pattern": "[ ]*", "guided_decoding_backend": "xgrammar"},
+                  {"structured_outputs": {"choice": ["up", "down"], "json": None, "regex": None, "grammar": None,
+                                          "json_object": False, "structural_tag": None, "whitespace_pattern": None,
+                                          "disable_any_whitespace": False, "disable_additional_properties": False}}]
+    for body in vllm_style:                      # older vLLM clients' extras; a client sending every field
+        status, out = request(server, "POST", "/v1/completions", {"prompt": "Say:", "max_tokens": 30, **body})
+        assert status == 200, (body, out)
     stream = client.completions.create(model=served_name, prompt="Pick:", max_tokens=10, stream=True,
                                        extra_body={"guided_choice": ["alpha", "beta"]})
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) in ("alpha", "beta")
@@ -1806,7 +1814,8 @@ def test_structured_outputs_over_http_with_the_openai_client(server, served_name
             "response_format"), ({"response_format": {"type": "json_schema"}}, "response_format"),
            ({"response_format": {"type": "yaml"}}, "response_format"), ({"guided_regex": "[0-9"}, "guided_regex"),
            ({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"json": 1}}, "structured_outputs"),
-           ({"guided_regex": "a", "guided_choice": ["a"]}, None)]
+           ({"guided_regex": "a", "guided_choice": ["a"]}, None), ({"structural_tag": {"x": 1}}, "structural_tag"),
+           ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern")]
     for fields, param in bad:
         error = assert_error(*request(server, "POST", "/v1/chat/completions", {**chat, **fields}), 400, param)
         assert param is None or param in error["message"] or "structured" in error["message"], error
