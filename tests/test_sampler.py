@@ -754,6 +754,33 @@ def test_structured_outputs_hold_in_the_engine_with_forks_drafts_preemption_and_
     assert len({tuple(map(tuple, o)) for o in reference[0.8]}) > 1
 
 
+@pytest.mark.needs("engine", "sampler")
+def test_a_grammar_that_fails_mid_request_fails_its_request_alone(tiny_path):
+    """A grammar that raises while its mask is made (the library in an error state), or that refuses a token:
+    its request finishes with finish_reason "error" naming the cause; the constrained and free requests beside
+    it finish as they would alone; no KV block leaks."""
+    llm = LLM(tiny_path, kv_cache_bytes=4 << 20)
+    params = [SamplingParams(max_tokens=8, structured_outputs={"regex": "[a-z]{4,8}"}),
+              SamplingParams(max_tokens=8, structured_outputs={"choice": ["yes", "no"]}),
+              SamplingParams(max_tokens=8, ignore_eos=True)]
+    prompts = ["one", "two", "three"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for breaks in ("bitmask", "consume"):
+        rids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+        grammar = llm.requests[rids[0]].seqs[0].grammar
+
+        def broken(*args):
+            raise RuntimeError(f"the grammar's {breaks} broke")
+        setattr(grammar, breaks, broken)
+        done = {}
+        while llm.has_unfinished_requests():
+            done.update((o.request_id, o) for o in llm.step() if o.finished)
+        bad = done[rids[0]]
+        assert bad.outputs[0].finish_reason == "error" and f"{breaks} broke" in bad.error, (breaks, bad.error)
+        assert [done[r].outputs[0].token_ids for r in rids[1:]] == alone[1:], f"{breaks}: a batch-mate changed"
+        assert_no_leak(llm)
+
+
 @pytest.mark.needs("engine", "sampler", "copy-on-write")
 def test_real_model_structured_outputs_validate(real_path):
     """The default model (SmolLM2-135M-Instruct) under JSON schemas (required fields, enums, bounded numbers
