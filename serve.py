@@ -162,12 +162,12 @@ class Engine:
         """A request leaves the engine: its blocks freed if it still runs; its route gets
         `error`."""
         self.llm.abort(rid)
+        self.metrics.ended(rid, counter)   # counted before its route hears (a client that saw
+        with self.lock:                    # its error sees it counted)
+            self.live.discard(rid)
         if error is not None:
             self._send(rid, error)
         self.queues.pop(rid, None)
-        self.metrics.ended(rid, counter)
-        with self.lock:
-            self.live.discard(rid)
 
     def _step(self):
         try:
