@@ -162,11 +162,12 @@ def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
     """model.model_flops_per_token against the formula written out here from every
     linear layer's (out, in) and attention's 4 H d per cached token, for
     shapes whose heads, KV heads, FFN and vocabulary all differ (so each term
-    is seen), at several context lengths."""
+    is seen; in "gqa" heads x head_dim = 144 is not dim = 96, as in Gemma, so q and o are
+    not d x d), at several context lengths."""
     from helpers import tiny_config
     from model import ModelConfig
     from support.checkpoint import PRESETS
-    cfg = tiny_config(dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=160, vocab_size=1000) \
+    cfg = tiny_config(dim=96, n_heads=6, n_kv_heads=2, head_dim=24, ffn_dim=160, vocab_size=1000) \
         if shape == "gqa" else ModelConfig.from_hf(PRESETS[shape])
     for context in (0, 1, 37, 4096):
         assert model_flops_per_token(cfg, context) == flops_per_token(cfg, context), \

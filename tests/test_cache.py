@@ -38,6 +38,11 @@ def test_bytes_per_token_formula_and_real_allocation():
     cache = KVCache(cfg, num_blocks=7, block_size=16, device="cpu", dtype=torch.float32)
     assert cache.total_bytes == kv_cache_bytes(cfg, torch.float32, 7 * 16), \
         "a KVCache allocates exactly kv_cache_bytes for its num_blocks * block_size tokens"
+    # cross-layer attention (layers share K/V in pairs) and local + global layers keep fewer K/V
+    # layers: 2 * 4 layers / 2, and 6 layers of which every 3rd is global
+    cla, lg = tiny_config(n_layers=4, cla_share=2), tiny_config(n_layers=6, sliding_window=8, global_every=3)
+    assert kv_cache_bytes(cla, torch.float32) == 2 * 2 * 2 * 16 * 4, "CLA-2: only the layers with K/V count"
+    assert kv_cache_bytes(lg, torch.float32) == 2 * 2 * 2 * 16 * 4, "global_every=3: the global layers count"
     budget = 10_000
     n = num_blocks_for_budget(kv_cache_bytes(cfg, torch.float32), 16, budget)
     assert n * 16 * kv_cache_bytes(cfg, torch.float32) <= budget < (n + 1) * 16 * kv_cache_bytes(cfg, torch.float32), \
@@ -114,6 +119,32 @@ def test_paged_attention_equals_sdpa(block_size, n_heads, n_kv):
             (0, 1)]             # a one-token prompt
     out, ref, _ = paged_step(seqs, block_size, n_heads, n_kv)
     assert torch.allclose(out, ref, atol=1e-5), f"max err {(out - ref).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.assignment("paged-attention")
+@pytest.mark.needs("kv-cache-bytes", "block-allocation")
+def test_paged_attention_takes_the_callers_scale_and_window(window, monkeypatch):
+    """MLA passes its own scale (1/sqrt(nope + rope), not 1/sqrt(d)); a window only narrows the
+    causal mask (and-ed, never or-ed, never instead). in_window is sliding-window's assignment,
+    so the test's own band rule stands in for it, and no block is freed (sliding-window's too)."""
+    import cache as cache_module
+    monkeypatch.setattr(cache_module, "in_window", lambda q_pos, k_pos, w: k_pos[None, :] > q_pos[:, None] - w)
+    g, T, cached, scale = torch.Generator().manual_seed(3), 19, 11, 0.37
+    cfg = tiny_config(n_layers=1, n_heads=6, n_kv_heads=2, head_dim=8, sliding_window=window)
+    cache, bm = KVCache(cfg, 16, 4, "cpu", torch.float32), BlockManager(16, 4, enable_prefix_caching=False)
+    q, k, v = (torch.randn(T, h, 8, generator=g) for h in (6, 2, 2))
+    bm.allocate(0, list(range(T)))
+    cache.write(0, torch.tensor(bm.append_slots(0, 0, cached)), k[:cached], v[:cached])
+    ctx = AttentionContext(cache, torch.tensor(bm.append_slots(0, cached, T - cached)), torch.tensor([bm.tables[0]]),
+                           [T], [T - cached])
+    out = ctx.attend(0, q[cached:], k[cached:], v[cached:], scale)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    mask = (j <= i) & ((i - j < window) if window else True)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
+                                         v.repeat_interleave(3, 1).transpose(0, 1), attn_mask=mask, scale=scale)
+    assert torch.allclose(out, ref.transpose(0, 1)[cached:], atol=1e-5), \
+        f"scale {scale}, window {window}: paged attention != SDPA with that scale and mask"
 
 
 @pytest.mark.assignment("paged-attention")

@@ -175,6 +175,26 @@ def test_dense_attention_equals_sdpa(n_heads, n_kv):
     assert torch.allclose(got, ref.transpose(0, 1), atol=1e-5), "causal GQA attention != SDPA"
 
 
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.assignment("gqa-attention")
+def test_dense_attention_takes_the_callers_scale_and_window(window, monkeypatch):
+    """MLA passes its own scale (1/sqrt(nope + rope), not 1/sqrt(d)); a window only narrows the
+    causal mask (and-ed, never or-ed). in_window is sliding-window's assignment: the test's own
+    band rule stands in for it."""
+    import model
+    monkeypatch.setattr(model, "in_window", lambda q_pos, k_pos, w: k_pos[None, :] > q_pos[:, None] - w)
+    torch.manual_seed(1)
+    N, d, scale = 13, 16, 0.37
+    q, k, v = torch.randn(N, 6, d), torch.randn(N, 2, d), torch.randn(N, 2, d)
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    mask = (j <= i) & ((i - j < window) if window else True)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
+                                         v.repeat_interleave(3, 1).transpose(0, 1), attn_mask=mask, scale=scale)
+    got = dense_causal_attention(q, k, v, window, scale=scale)
+    assert torch.allclose(got, ref.transpose(0, 1), atol=1e-5), \
+        f"scale {scale}, window {window}: attention != SDPA with that scale and mask"
+
+
 @pytest.mark.assignment("gqa-attention")
 @pytest.mark.needs("rmsnorm-rope")
 def test_gqa_equals_mha_with_repeated_kv_heads():
