@@ -286,6 +286,36 @@ def test_scheduler_preempts_the_newest_sequence(real_tokenizer):
 
 @pytest.mark.assignment("scheduler-step")
 @pytest.mark.needs("block-allocation", "prefix-caching")
+def test_decodes_stop_at_the_budget_and_a_stuck_pool_preempts_the_newest(real_tokenizer):
+    """(1) Three decodes and a budget of 2 tokens: two run, the third waits a step (never an
+    overdrawn budget). (2) Two prompts half prefilled in a full pool, no decode: schedule() is
+    stuck, so it preempts the NEWEST (its blocks freed, the release hooks told: the drafter drops
+    its state) and the oldest goes on."""
+    sched = Scheduler(BlockManager(100, 4), max_num_seqs=3, max_num_batched_tokens=3)
+    seqs = make_seqs(real_tokenizer, [1, 1, 1])
+    sched.waiting.extend(seqs)
+    fake_step(sched, sched.schedule())                      # three 1-token prompts: all decode now
+    sched.max_num_batched_tokens = 2
+    assert [(i.seq, i.count) for i in sched.schedule()] == [(seqs[0], 1), (seqs[1], 1)], \
+        "a budget of 2 tokens schedules two decodes (oldest first); the third waits for the next step"
+    bm = BlockManager(2, 4)                                 # 2 blocks: one each, both full
+    sched, released = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=100), []
+    sched.release_hooks.append(released.append)
+    seqs = make_seqs(real_tokenizer, [8, 8])
+    for s in seqs:                                          # each has fed 4 of its 8 prompt tokens
+        bm.allocate(s.seq_id, s.token_ids)
+        bm.reserve(s.seq_id, 0, 4)
+        s.num_computed, s.status = 4, "running"
+        sched.running.append(s)
+    out = sched.schedule()
+    assert [(i.seq, i.start, i.count) for i in out] == [(seqs[0], 4, 4)], \
+        "stuck: the newest gives its block back and the oldest finishes its prompt in it"
+    assert list(sched.waiting) == [seqs[1]] and seqs[1].status == "waiting" and released == [seqs[1]], \
+        "the newest running sequence is preempted (to the front of the queue), and the release hooks see it"
+
+
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("block-allocation", "prefix-caching")
 def test_preempted_sequence_goes_back_to_the_front_of_the_queue(real_tokenizer):
     """Fairness: a preempted sequence arrived before everything still waiting,
     so it returns to the FRONT of the queue and is readmitted first."""
@@ -300,7 +330,10 @@ def test_preempted_sequence_goes_back_to_the_front_of_the_queue(real_tokenizer):
     # Both decode into a new block, one is free: seq 1 (the newest) yields its
     # block. It arrived before seqs 2 and 3, so it is first in line again, and
     # the block it gave back is enough to restart its prompt in the same step.
+    admitted = seqs[1].request.metrics.first_scheduled_time
     second = sched.schedule()
+    assert seqs[1].request.metrics.first_scheduled_time == admitted, \
+        "readmission after a preemption keeps the first admission's metrics (TTFT, cached_tokens)"
     assert sched.num_preemptions == 1 and seqs[1].request.metrics.preemptions == 1, "one preemption, counted in the scheduler and in the request's metrics"
     assert [(i.seq, i.start, i.count) for i in second] == [(seqs[0], 4, 1), (seqs[1], 0, 4)], \
         "the preempted sequence must go back to the FRONT of the waiting queue, before later arrivals"
