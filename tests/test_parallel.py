@@ -174,6 +174,8 @@ def test_shard_model_keeps_each_ranks_slice(quantized):
                            q(af.qkv_proj.scale, 1)), "column-parallel int8: the scales are sliced with their rows"
         assert torch.equal(a0.o_proj.linear.scale, af.o_proj.scale), "row-parallel int8 keeps every row's scale"
     # heads per rank, in the modules and in the config the KV cache is built from
+    for layer in (a0.qkv_proj, mlp0.gate_up_proj, shards[0].lm_head):
+        assert layer.linear.out_features == layer.linear.weight.shape[0], "a column shard says its own out_features"
     assert (a0.n_heads, a0.n_kv_heads) == (3, 1), "each rank's attention holds its share of the heads and KV heads"
     assert (shards[0].config.n_heads, shards[0].config.n_kv_heads, shards[0].config.ffn_dim) == (3, 1, 64), \
         "the shard's config (the KV cache is built from it) gives per-rank heads, KV heads, FFN"
@@ -247,8 +249,9 @@ def test_tiny_dense_logits_equal_unsharded(tiny_dir):
     group, ref = tiny2(tiny_dir), reference(tiny_dir)
     assert ref.layers[0].self_attn.o_proj.bias is not None, "the reference must have its biases"
     gen = torch.Generator().manual_seed(0)
-    for length in (1, 7, 33):
-        ids = torch.randint(0, 512, (length,), generator=gen)
+    # random ids, and each rank's first and last vocabulary ids (rank 1 owns 256..511)
+    for ids in [torch.randint(0, 512, (n,), generator=gen) for n in (1, 7, 33)] + [torch.tensor([0, 255, 256, 511, 256])]:
+        length = len(ids)
         pos = torch.arange(length)
         want = ref(ids, pos)
         got = group.forward(ids, pos)
