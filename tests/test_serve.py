@@ -398,6 +398,15 @@ def test_streaming_concatenates_to_the_full_answer(server):
         assert mine[-1]["finish_reason"], f"choice {c['index']}: a chunk was sent after it finished"
     assert chunks[-1]["usage"] == full["usage"] and not chunks[-1]["choices"], \
         "the usage chunk counts all n choices and carries no choice"
+    # chat, n = 2: each choice opens with its own role delta (the openai client builds one message
+    # per index), and its content deltas add up to its message
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2}
+    status, full = request(server, "POST", "/v1/chat/completions", chat)
+    status, payload = request(server, "POST", "/v1/chat/completions", {**chat, "stream": True})
+    for c in full["choices"]:
+        mine = [ch["delta"] for chunk in sse(payload) for ch in chunk["choices"] if ch["index"] == c["index"]]
+        assert mine[0].get("role") == "assistant", f"chat choice {c['index']}: its first delta names the role"
+        assert "".join(d.get("content") or "" for d in mine) == c["message"]["content"], f"chat choice {c['index']}"
 
 
 @pytest.mark.needs("engine", "sampler", "copy-on-write", "stop-strings", "sse-stream")
