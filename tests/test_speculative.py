@@ -95,6 +95,24 @@ def test_batched_agrees_with_single_draw_for_draw():
 
 
 @pytest.mark.assignment("rejection-sampling")
+def test_batched_never_accepts_padding_and_keeps_q_when_nothing_is_left_to_resample():
+    """Padding past num_drafts is no draft, however acceptable (q = p, uniforms 0): row 0 has 1
+    of 3 drafts, so it accepts 1 and draws the bonus from q's row 1. A rejection where q = p
+    (uniform 1: not < q / p = 1) leaves max(q - p, 0) = 0: the extra token is drawn from q."""
+    g = torch.Generator().manual_seed(2)
+    B, K, V = 2, 3, 5
+    target = random_dists(g, B, K + 1, V)
+    draft = target[:, :K].clone()                                         # q = p at every draft
+    tokens = torch.multinomial(draft.view(-1, V), 1, generator=g).view(B, K)
+    u = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    n_acc, final = rejection_sample_batched(target, draft, tokens, torch.tensor([1, 3]), u)
+    assert n_acc.tolist() == [1, 0], f"accepted {n_acc.tolist()}: row 0 has ONE draft (the rest is padding)"
+    torch.testing.assert_close(final[0], target[0, 1], msg="row 0: every draft accepted, the bonus row q")
+    torch.testing.assert_close(final[1] / final[1].sum(), target[1, 0],
+                               msg="row 1: q = p leaves no residual mass: the extra token comes from q")
+
+
+@pytest.mark.assignment("rejection-sampling")
 def test_deterministic_drafts_match_one_hot_draft_probs():
     """draft_probs=None (an n-gram drafter) must equal passing the one-hots."""
     g = torch.Generator().manual_seed(5)
