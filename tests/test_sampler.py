@@ -146,6 +146,12 @@ def test_filtered_probs_against_a_direct_reference():
         "min_p = 0 (or absent) must change nothing"
     kept = [int((probs[i] > 0).sum()) for i in range(5, 10)]
     assert all(0 < n < 50 for n in kept), f"the min_p rows must cut some tokens and keep some: {kept}"
+    # exactly at the thresholds: probabilities 1/2, 1/4, 1/4 (exact in float32). top-p keeps a token
+    # iff the mass BEFORE it is < p: at p = 1/2 the first alone (the 1/4s tie each other, not it);
+    # min-p keeps a token iff p >= min_p * max p: at min_p = 1/2 the 1/4s sit on the floor and stay
+    row, one = torch.tensor([[0.0, -0.6931471805599453, -0.6931471805599453]]), torch.ones(1)
+    assert filtered_probs(row, one, [0], [0.5]).tolist() == [[1.0, 0.0, 0.0]], "top_p = 1/2: the first token's mass reaches p"
+    assert filtered_probs(row, one, [0], [1.0], [0.5]).tolist() == [[0.5, 0.25, 0.25]], "min_p: a token ON the floor stays"
 
 
 @pytest.mark.assignment("sampler")
