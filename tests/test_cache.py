@@ -484,9 +484,11 @@ def test_copy_on_write_copies_once_and_keeps_the_data(real_model):
     k = torch.randn(6, cfg.n_kv_heads, cfg.head_dim)
     for layer in range(cfg.n_layers):
         cache.write(layer, slots, k * layer, -k * layer)
+    bm.changed.clear()
     bm.fork(1, 2)
     bm.fork(1, 3)
-    assert bm.pending_copies == [], "forking copies nothing"
+    assert bm.pending_copies == [] and bm.changed == {2, 3}, \
+        "forking copies nothing, and each child is a new table graphs.StepInputs must hear of"
     bm.changed.clear()
     bm.append_slots(2, 6, 1)
     assert bm.changed == {2}, "a copy-on-write changes sequence 2's table: graphs.StepInputs must hear of it"
@@ -498,6 +500,27 @@ def test_copy_on_write_copies_once_and_keeps_the_data(real_model):
         assert torch.equal(cache.k[:, dst, :2], cache.k[:, src, :2]) and torch.equal(cache.v[:, dst], cache.v[:, src]), \
             "a copy holds its source block's K and V"
     assert bm.tables[1][0] == bm.tables[2][0] == bm.tables[3][0], "full blocks stay shared"
+
+
+@pytest.mark.assignment("block-allocation")
+def test_free_reports_the_table_and_cancels_copies_into_its_blocks():
+    """free: the table reported changed (graphs.StepInputs' rows follow `changed`), no state
+    kept for the sequence (a server runs for days), and a pending copy INTO one of its blocks
+    cancelled (copy-on-write's, before an abort: the block may be someone else's by then).
+    The copies are set by hand here: forks are copy-on-write's assignment."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    for sid, n in ((1, 6), (3, 2)):
+        bm.allocate(sid, list(range(n)))
+        bm.append_slots(sid, 0, n)
+        bm.cache_full_blocks(sid, list(range(n)), n)
+    mine, other = bm.tables[1][-1], bm.tables[3][0]
+    bm.pending_copies = [(other, mine)]
+    bm.changed.clear()
+    bm.free(1)
+    assert bm.pending_copies == [], "a copy into a block given back must never run"
+    assert bm.changed == {1} and 1 not in bm.hashed and 1 not in bm.tables, \
+        "free reports the table changed and keeps nothing of the sequence"
+    bm.check_invariants()
 
 
 @pytest.mark.needs("block-allocation", "copy-on-write")
@@ -570,7 +593,10 @@ def test_window_holds_a_long_sequence_in_a_bounded_number_of_blocks():
     most = 0
     while len(toks) < L:
         start = len(toks)
+        bm.changed.clear()
         bm.append_slots(0, start, 1)
+        if (start - W + 1) % bs == 0 and start > W:                  # a block fell out of the window
+            assert bm.changed == {0}, f"position {start}: a freed entry changes the table (graphs.StepInputs)"
         toks.append(start % 97)
         bm.cache_full_blocks(0, toks, len(toks))
         live = live_blocks(bm, 0)
