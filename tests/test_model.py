@@ -72,6 +72,12 @@ def test_rmsnorm_equals_torch_rms_norm():
     x[5:] *= 1e-3                  # rows whose mean square (~1e-5) is eps's size: where eps goes matters
     ref = F.rms_norm(x, (48,), norm.weight, eps=1e-5)
     assert torch.allclose(norm(x), ref, atol=1e-6, rtol=1e-5), "RMSNorm must be w * x / sqrt(mean(x^2) + eps)"
+    # bf16, Llama's (and transformers') order: normalize in float32, round to bf16, THEN times w
+    # (w * x in float32 rounded once differs in the last bit: the checkpoint's logits would drift)
+    norm, xb = norm.to(torch.bfloat16), (x * 7).to(torch.bfloat16)
+    x32 = xb.float()
+    ref = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert norm(xb).dtype == torch.bfloat16 and torch.equal(norm(xb), ref), "bf16: w * (normalized x in bf16)"
 
 
 def rope_as_complex(x, positions, inv_freq):
