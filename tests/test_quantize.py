@@ -532,7 +532,8 @@ def _awq_reference(x: torch.Tensor, w: torch.Tensor, group: int):
 
 
 def _awq_case(seed: int, kind: str):
-    """Calibration rows x [96, 64] and weights [48, 64]: with outlier channels ("outliers"), without
+    """Calibration rows x [96, 64] and weights [48, 64]: with outlier channels ("outliers", or 15x
+    larger: "extreme"), without
     ("plain"), or with outlier channels whose weights are large too ("aligned": they already set
     their groups' range, so scaling them up only coarsens the rest, and alpha 0 is best)."""
     torch.manual_seed(seed)
@@ -540,6 +541,8 @@ def _awq_case(seed: int, kind: str):
     x[:, 40] = 0.0                                     # a dead channel: mean 0 (its s is clamped)
     if kind == "outliers":
         x[:, [3, 17, 50]] *= torch.tensor([20.0, 8.0, 30.0])
+    if kind == "extreme":                              # here alpha 1 would beat 0.95: the grid stops short
+        x[:, [3, 17, 50]] *= torch.tensor([300.0, 150.0, 450.0])
     if kind == "aligned":
         x[:, [3, 17]] *= 10.0
         w[:, [3, 17]] *= 10.0
@@ -554,7 +557,7 @@ def test_awq_search_finds_the_best_alpha_of_the_grid():
     that is an alpha > 0, and its error is well below round-to-nearest's (alpha 0); where the
     outlier channels meet large weights it is alpha 0 itself."""
     from quantize import awq_search
-    for seed, kind in ((0, "outliers"), (1, "outliers"), (2, "plain"), (2, "aligned")):
+    for seed, kind in ((0, "outliers"), (1, "outliers"), (2, "plain"), (2, "aligned"), (0, "extreme")):
         x, w = _awq_case(seed, kind)
         s, alpha = awq_search(x, w, 32)
         grid = _awq_reference(x, w, 32)
@@ -563,7 +566,7 @@ def test_awq_search_finds_the_best_alpha_of_the_grid():
         assert alpha == best[1], f"case {seed}: alpha {alpha} but the grid's best is {best[1]} " \
                                  f"(errors {errs[alpha] if alpha in errs else '?'} vs {best[0]:.4g})"
         assert s.shape == (64,) and torch.allclose(s, best[2].float(), rtol=1e-5), f"case {seed}: s differs"
-        if kind == "outliers":
+        if kind in ("outliers", "extreme"):
             assert alpha > 0 and best[0] < 0.8 * errs[0.0], f"case {seed}: AWQ should beat round-to-nearest"
         if kind == "aligned":
             assert best[1] == 0.0 and alpha == 0.0, "here round-to-nearest (alpha 0) is the grid's best"
