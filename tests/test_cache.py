@@ -508,11 +508,10 @@ def test_free_reports_the_table_and_cancels_copies_into_its_blocks():
     kept for the sequence (a server runs for days), and a pending copy INTO one of its blocks
     cancelled (copy-on-write's, before an abort: the block may be someone else's by then).
     The copies are set by hand here: forks are copy-on-write's assignment."""
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)    # (prefix-caching's)
     for sid, n in ((1, 6), (3, 2)):
         bm.allocate(sid, list(range(n)))
         bm.append_slots(sid, 0, n)
-        bm.cache_full_blocks(sid, list(range(n)), n)
     mine, other = bm.tables[1][-1], bm.tables[3][0]
     bm.pending_copies = [(other, mine)]
     bm.changed.clear()
