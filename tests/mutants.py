@@ -446,8 +446,9 @@ BUGS = [
         "3 * d * f", "2 * d * f"),
     # ------------------------------------------------------------ a hunt for bugs the catalog lacked
     # (2026-11-28: 54 written by a reader of the code; 27 escaped their assignment's tests, and the
-    # tests were strengthened to catch 24; the 3 left out change no output: a dropped assertion,
-    # prefix registration re-walking blocks it registered already, for a fork or every step)
+    # tests were strengthened to catch 24. Left out: a dropped assertion and a fork re-walking blocks
+    # registered already (no output changes); registration restarting from block 0 every step, harmful
+    # with a window only (it keys the null block), which sliding-window's test catches, not prefix-caching's)
     Bug('rmsnorm-rope', 'model.py', "RMSNorm multiplies the weight in float32, then casts (not HF's order in bf16)",
         'return self.weight * x.to(dtype)',
         'return (self.weight * x).to(dtype)'),

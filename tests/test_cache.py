@@ -620,6 +620,29 @@ def test_window_holds_a_long_sequence_in_a_bounded_number_of_blocks():
 
 
 @pytest.mark.assignment("sliding-window")
+@pytest.mark.needs("block-allocation", "prefix-caching")
+def test_the_null_block_never_enters_the_prefix_cache():
+    """The window frees a registered block, another sequence takes it, and registration goes on:
+    the freed entry (the null block now) is never keyed as a prefix, or a later prompt with the
+    same first tokens would 'hit' the null block and read someone else's K/V there."""
+    bm, toks = BlockManager(6, 4, sliding_window=8), list(range(100, 140))   # 5 blocks + the null
+    bm.allocate(1, toks[:12])
+    bm.append_slots(1, 0, 12)
+    bm.cache_full_blocks(1, toks, 12)                       # three full blocks, registered
+    bm.allocate(2, [7] * 4)
+    bm.append_slots(2, 0, 4)
+    bm.append_slots(1, 12, 1)                               # the window frees seq 1's first block ...
+    bm.append_slots(2, 4, 1)                                # ... and seq 2 takes it (its key evicted)
+    bm.cache_full_blocks(1, toks, 13)
+    assert bm.null_block not in bm.cached.values() and bm.null_block not in bm.block_key, \
+        "the null block was registered in the prefix cache"
+    bm.free(2)
+    assert bm.allocate(3, toks[:6]) == 0 and bm.null_block not in bm.tables[3], \
+        "a prompt sharing the freed block's tokens must miss, not hit the null block"
+    bm.check_invariants()
+
+
+@pytest.mark.assignment("sliding-window")
 @pytest.mark.needs("block-allocation", "prefix-caching", "copy-on-write")
 def test_window_with_fork_rollback_preemption_and_prefix_cache():
     """n > 1 forks share freed entries and live blocks alike; a shared block goes back when
