@@ -7,10 +7,8 @@ import os
 import sys
 
 # Before torch loads its OpenMP runtime: threads waiting at a barrier sleep instead of spinning. On
-# 2 cores shared with any other process (a second pytest, the bench, an editor's linter) a spinning
-# thread holds a core while its partner is descheduled: the real model's decode steps took 5-10x
-# longer (measured with torch's 2 threads: 8 greedy steps 2 s alone, 10-23 s beside one busy
-# process; PASSIVE: 2 s). The pytest runs the tests start (tests/assignments.py) inherit it.
+# 2 shared cores a spinning thread holds a core while its partner is descheduled: 8 greedy steps of
+# the real model took 2 s alone, 10-23 s beside a busy process, 2 s PASSIVE (assignments.py inherits it).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
@@ -42,24 +40,20 @@ def real_tokenizer(real_path):
 
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's vocabulary and tokenizer: the engine
-    runs it in milliseconds per step."""
+    """A tiny random Llama with SmolLM2's vocabulary and tokenizer: milliseconds per engine step."""
     model = tiny_model(seed=0, vocab_size=49152, max_seq_len=2048)
     return save_checkpoint(model, tmp_path_factory.mktemp("tiny"))
 
 # ----------------------------------------------------------------------------
-# The assignments plugin (tests/assignments.py has the tool and the table)
-# A test says what it grades and what it runs through:
+# The assignments plugin (tests/assignments.py has the tool and the table). A test says what it
+# grades and what it runs through:
 #     @pytest.mark.assignment("sampler")
 #     @pytest.mark.needs("engine", "copy-on-write")     # groups: assignments.GROUPS
-# An assignment is unfinished while its NotImplementedError is in the source.
-# A test that fails with the NotImplementedError of one of its OWN assignments
-# is that assignment's work still to do ("todo": a failure). A test that fails
-# while ANOTHER unfinished assignment raised (its message is in the traceback
-# or in what the test printed: the engine prints a step's error, a server
-# thread its traceback) or while one it needs() is unfinished, is reported
-# as skipped "blocked by <name>": it cannot grade anything before that is done.
-# At the end, one line per assignment: passed, failed, not attempted, blocked.
+# An assignment is unfinished while its NotImplementedError is in the source. A test failing with
+# the raise of one of its OWN assignments is that work still to do ("todo": a failure). A test
+# failing while ANOTHER unfinished assignment raised (in the traceback or the printed output: the
+# engine prints a step's error, a server thread its traceback), or while one it needs() is
+# unfinished, is skipped "blocked by <name>". At the end: one line per assignment.
 import assignments  # noqa: E402  (tests/ is on sys.path: pytest puts this conftest's folder there)
 
 UNFINISHED: set = set()    # assignments whose raise is in the source of this run
@@ -82,10 +76,8 @@ def pytest_configure(config):
 
 
 def _print_request_failures():
-    """The engine fails a request alone: its output gets finish_reason "error"
-    and the message, and the test sees only a wrong output. Print the message
-    too, so that a NotImplementedError behind it shows in the test's captured
-    output (for the plugin, and for the student reading the failure)."""
+    """The engine fails a request alone (finish_reason "error"): print its message too, so that a
+    NotImplementedError behind it shows in the test's output (for the plugin and the student)."""
     import engine
     fail = engine.LLM._fail
 
@@ -128,17 +120,15 @@ def _text(report) -> str:
 
 
 def pytest_runtest_setup(item):
-    """A test that needs an unfinished assignment is not run at all: blocked
-    (it could only fail, or wait for results that never come)."""
+    """A test that needs an unfinished assignment is not run: blocked (it could only fail or wait)."""
     needed = _blocking(item)
     if needed:
         pytest.skip("blocked by " + ", ".join(sorted(needed)))
 
 
 def _blocking(item) -> set:
-    """The unfinished assignments a test needs, other than those it grades: a
-    test of scheduler-step that runs through the "engine" group (which holds
-    scheduler-step) must fail with scheduler-step's raise, not be skipped."""
+    """The unfinished assignments a test needs, other than those it grades: a test of scheduler-step
+    run through the "engine" group (which holds it) must fail with its raise, not be skipped."""
     return (set(assignments.expand(_marked(item, "needs"))) - set(_marked(item, "assignment"))) & UNFINISHED
 
 
@@ -200,16 +190,10 @@ def pytest_sessionfinish(session):
             json.dump(RESULTS, f, indent=1)
 
 
-
 # ----------------------------------------------------------------------------
-# The watchdog: a hang is a failure (pytest-timeout)
-# Every test runs under pytest-timeout: `timeout` in pytest.ini (300 s, setup
-# included), or the test's own @pytest.mark.timeout(N), written on the slow
-# tests themselves. Method "signal": at the limit the test FAILS with
-# "Timeout (>300.0s) from pytest-timeout" and the stacks of every thread, and
-# the run goes on. So a bug that stops the engine from making progress fails
-# its test instead of freezing the suite. The one thing pytest-timeout cannot
-# do is insist on being installed: without it, pytest ignores `timeout`.
+# The watchdog: a hang is a failure. pytest-timeout runs every test (setup included) under
+# `timeout` in pytest.ini (300 s) or its own @pytest.mark.timeout(N); at the limit the test FAILS
+# with the stacks of every thread and the run goes on. Without the plugin pytest ignores `timeout`.
 def _require_the_watchdog():
     if importlib.util.find_spec("pytest_timeout") is None:
         raise pytest.UsageError("the tests run under a watchdog (pytest-timeout), which is not "
