@@ -59,7 +59,8 @@ def grammar_text(spec: dict) -> str:
     if spec.get("structural_tag") is not None:             # vLLM's tool-call tags: not here
         raise ValueError("'structural_tag' is not supported by this engine; send null or omit it")
     unknown = set(spec) - set(KINDS) - set(OPTIONS) - {"structural_tag"}
-    kinds = [k for k in KINDS if spec.get(k) not in (None, False)]    # null / false: not asked
+    asked = {k: v for k, v in spec.items() if v is not None and (k, v) != ("json_object", False)}
+    kinds = [k for k in KINDS if k in asked]              # null (json_object: false): not asked
     if unknown or len(kinds) != 1:
         raise ValueError((f"unknown key(s) {sorted(unknown)}; " if unknown else "")
                          + "exactly one of: " + "; ".join(f"{k!r}: {v}" for k, v in KINDS.items())
@@ -97,6 +98,9 @@ def json_schema(kind: str, value, spec: dict):
             raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError("a JSON schema is an object (or true / false)")
+    if schema is False:
+        raise ValueError("the JSON schema false accepts no value: no output can satisfy it")
+    schema = {} if schema is True else schema         # true: any JSON value ({}: llguidance's form)
     return closed(schema) if spec.get("disable_additional_properties") else schema
 
 

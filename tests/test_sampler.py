@@ -663,7 +663,9 @@ def test_a_grammar_mask_keeps_exactly_the_tokens_it_allows():
                                         ({"json": "{not json"}, "not valid JSON"), ({"choice": []}, "choice"),
                                         ({"json": {}, "regex": "a"}, "exactly one"), ({"yaml": "a"}, "exactly one"),
                                         ({"json_object": False}, "json_object"), ({"grammar": "start: nope"}, "grammar"),
-                                        ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems")])
+                                        ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+                                        ({"json": "false"}, "accepts no value"),
+                                        ({"json": False}, "accepts no value")])
 def test_a_grammar_that_does_not_compile_is_refused_with_params(spec, match):
     """SamplingParams(structured_outputs=...) compiles the grammar when it is made: a bad one is a ValueError
     naming the field and the problem, before anything reaches the engine."""
@@ -698,6 +700,8 @@ def test_vllm_structured_output_options_shape_the_json(real_tokenizer):
     assert accepts({"json": schema, "disable_any_whitespace": True}, '{"a":1}')
     assert not accepts({"json": schema, "disable_any_whitespace": True}, '{"a": 1}')
     assert accepts({"json": schema, "whitespace_pattern": r"[ \n]*"}, '{\n  "a": 1\n}')
+    for anything in (True, "true", {}):                     # JSON Schema's true (and {}): any JSON value
+        assert all(accepts({"json": anything}, v) for v in ('[1, "a"]', '{"k": null}', '2.5')), anything
     with pytest.raises(ValueError, match="structural_tag"):
         SamplingParams(structured_outputs={"regex": "a", "structural_tag": "<t>"})
 

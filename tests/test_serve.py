@@ -1824,7 +1824,9 @@ def test_structured_outputs_over_http_with_the_openai_client(server, served_name
            ({"response_format": {"type": "yaml"}}, "response_format"), ({"guided_regex": "[0-9"}, "guided_regex"),
            ({"guided_choice": []}, "guided_choice"), ({"structured_outputs": {"json": 1}}, "structured_outputs"),
            ({"guided_regex": "a", "guided_choice": ["a"]}, None), ({"structural_tag": {"x": 1}}, "structural_tag"),
-           ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern")]
+           ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+            "response_format")]
     for fields, param in bad:
         error = assert_error(*request(server, "POST", "/v1/chat/completions", {**chat, **fields}), 400, param)
         assert param is None or param in error["message"] or "structured" in error["message"], error
