@@ -101,17 +101,28 @@ def json_schema(kind: str, value, spec: dict):
     if schema is False:
         raise ValueError("the JSON schema false accepts no value: no output can satisfy it")
     schema = {} if schema is True else schema         # true: any JSON value ({}: llguidance's form)
-    return closed(schema) if spec.get("disable_additional_properties") else schema
+    return tidy(schema, close=bool(spec.get("disable_additional_properties")))
 
 
-def closed(schema):
-    """Every object schema without additionalProperties gets additionalProperties: false."""
+VALUES = ("const", "enum", "default", "examples")         # their values are JSON data, not schemas
+MAPS = ("properties", "patternProperties", "$defs", "definitions")    # name -> schema
+
+
+def tidy(schema, close: bool):
+    """The schema with what asks nothing dropped (uniqueItems: false, which llguidance refuses as
+    unimplemented) and, with close, additionalProperties: false on every object without one."""
     if isinstance(schema, list):
-        return [closed(s) for s in schema]
+        return [tidy(s, close) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    out = {}
+    for k, v in schema.items():
+        if k in MAPS and isinstance(v, dict):                # a property may be named "enum"
+            out[k] = {name: tidy(s, close) for name, s in v.items()}
+        elif (k, v) != ("uniqueItems", False):
+            out[k] = v if k in VALUES else tidy(v, close)
+    if close and (out.get("type") == "object" or "properties" in out) \
+            and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 

@@ -700,6 +700,9 @@ def test_vllm_structured_output_options_shape_the_json(real_tokenizer):
     assert accepts({"json": schema, "disable_any_whitespace": True}, '{"a":1}')
     assert not accepts({"json": schema, "disable_any_whitespace": True}, '{"a": 1}')
     assert accepts({"json": schema, "whitespace_pattern": r"[ \n]*"}, '{\n  "a": 1\n}')
+    named = {"type": "object", "properties": {"enum": {"type": "object"}}}   # a property named as a keyword
+    assert not accepts({"json": named, "disable_additional_properties": True}, '{"enum": {"x": 1}}')
+    assert accepts({"json": {"type": "array", "uniqueItems": False}}, '[1, 1]'), "uniqueItems: false asks nothing"
     for anything in (True, "true", {}):                     # JSON Schema's true (and {}): any JSON value
         assert all(accepts({"json": anything}, v) for v in ('[1, "a"]', '{"k": null}', '2.5')), anything
     with pytest.raises(ValueError, match="structural_tag"):
