@@ -53,22 +53,7 @@ def config_fields(hf: dict) -> dict:
     """
     if not isinstance(hf, dict):
         raise ValueError(f"a model config must be a JSON object, got {type(hf).__name__}")
-    archs = hf.get("architectures") or []
-    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ValueError(f"config field architectures must be a list of strings, got {archs!r}")
-    # Mistral is Llama's architecture plus a sliding window (config field sliding_window): same
-    # tensors. DeepSeek-V2 is Llama's block with MLA for attention (model.LatentAttention).
-    deepseek = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in archs
-    if (hf.get("model_type") not in ("llama", "mistral") and not deepseek
-            and not {"LlamaForCausalLM", "MistralForCausalLM"} & set(archs)):
-        raise ValueError(
-            f"unsupported architecture: model_type={hf.get('model_type')!r}, "
-            f"architectures={archs}; nanoinfer runs Llama-family checkpoints only (Llama, "
-            f"Mistral, DeepSeek-V2's attention on a dense FFN)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (Llama uses silu)")
-    if _bool_field(hf, "mlp_bias", False):
-        raise ValueError("unsupported mlp_bias=true: Llama's MLP has no bias")
+    deepseek = _architecture(hf)
     dim = _int_field(hf, "hidden_size")
     n_heads = _int_field(hf, "num_attention_heads")
     n_kv = _int_field(hf, "num_key_value_heads", n_heads, hi=n_heads)   # absent: plain MHA
@@ -110,6 +95,27 @@ def config_fields(hf: dict) -> dict:
         # share the first one's K/V (its own field: no Hugging Face architecture has it).
         cla_share=_int_field(hf, "cla_share", 1, hi=MAX_LAYERS),
     ) | _mla_fields(hf, head_dim, deepseek)
+
+
+def _architecture(hf: dict) -> bool:
+    """Refuse what is not a Llama-family checkpoint; True for DeepSeek-V2 (MLA attention)."""
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config field architectures must be a list of strings, got {archs!r}")
+    # Mistral is Llama's architecture plus a sliding window (config field sliding_window): same
+    # tensors. DeepSeek-V2 is Llama's block with MLA for attention (model.LatentAttention).
+    deepseek = hf.get("model_type") == "deepseek_v2" or "DeepseekV2ForCausalLM" in archs
+    if (hf.get("model_type") not in ("llama", "mistral") and not deepseek
+            and not {"LlamaForCausalLM", "MistralForCausalLM"} & set(archs)):
+        raise ValueError(
+            f"unsupported architecture: model_type={hf.get('model_type')!r}, "
+            f"architectures={archs}; nanoinfer runs Llama-family checkpoints only (Llama, "
+            f"Mistral, DeepSeek-V2's attention on a dense FFN)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (Llama uses silu)")
+    if _bool_field(hf, "mlp_bias", False):
+        raise ValueError("unsupported mlp_bias=true: Llama's MLP has no bias")
+    return deepseek
 
 
 def _global_every(hf: dict, n_layers: int) -> int:
