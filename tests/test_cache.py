@@ -262,14 +262,17 @@ def test_prefix_hits_reuse_the_same_physical_blocks():
     # a different first block breaks the chain even if the second block matches
     assert bm.allocate(3, [0] + prompt[1:]) == 0, \
         "hashes are chained: a different first block misses even where later blocks match"
+    assert bm.allocate(5, prompt[:4] + [0] * 4 + prompt[4:8] + [1]) == 4 and bm.tables[5] == first_two[:1], \
+        "the lookup stops at the first miss: a cached block after a gap is not a prefix (its K/V sit " \
+        "at other positions)"
     # after everybody leaves, the blocks stay cached and a newcomer still hits them
-    for s in (1, 2, 3):
+    for s in (1, 2, 3, 5):
         bm.free(s)
     assert bm.num_free_blocks == 16, "freed blocks return to the free list even while cached"
     assert bm.allocate(4, prompt) == 8 and bm.tables[4] == first_two, \
         "freed blocks stay in the prefix cache until reused: a newcomer still hits them"
-    # the hit rate counts the blocks found: 2 for seq 2, 2 for seq 4, none for seqs 1 and 3
-    assert bm.prefix_hits == 4 and bm.prefix_queries >= 7, (bm.prefix_hits, bm.prefix_queries)
+    # the hit rate counts the blocks found: 2 for seq 2, 1 for seq 5, 2 for seq 4, none for 1 and 3
+    assert bm.prefix_hits == 5 and bm.prefix_queries >= 9, (bm.prefix_hits, bm.prefix_queries)
     bm.check_invariants()
 
 
@@ -293,6 +296,46 @@ def test_blocks_registered_over_several_steps_chain_like_a_prompt():
         "blocks filled by decoding are registered as they fill"  # 13 tokens: 3 full blocks
     assert bm.allocate(2, toks + [99]) == 12 and bm.tables[2] == bm.tables[1][:3], \
         "decode-filled blocks chain onto the prompt's: the same tokens later hit all 3"
+    bm.check_invariants()
+
+
+def share(bm, parent: int, child: int):
+    """A fork's bookkeeping, written out (fork itself is copy-on-write's work): the child's table is
+    the parent's, each block one reference more, registration resuming where the parent's stands."""
+    bm.tables[child], bm.hashed[child] = list(bm.tables[parent]), bm.hashed[parent]
+    for b in bm.tables[child]:
+        bm.ref_count[b] += 1
+
+
+@pytest.mark.assignment("prefix-caching")
+@pytest.mark.needs("block-allocation")
+def test_every_registered_block_chains_onto_the_tokens_before_it():
+    """A block's key is (hash, parent hash, tokens), its parent the key of the block before it in the
+    table, whoever registered that one. Two sequences share a prefilled prompt (n = 2: shared before
+    either registers); the first registers the shared blocks, then each decodes into a block of its
+    own: every key must chain along its table, so only the same tokens after the same prefix hit."""
+    bm = BlockManager(num_blocks=32, block_size=2)
+    toks = {1: [1, 2, 3, 4, 5, 6]}
+    bm.allocate(1, toks[1])
+    bm.append_slots(1, 0, 6)
+    share(bm, 1, 2)
+    toks[2] = list(toks[1])
+    bm.cache_full_blocks(1, toks[1], 6)                  # seq 1 registers the three shared blocks
+    for seq, new in ((2, [7, 8]), (1, [9, 9])):          # seq 2's new block follows blocks it did not register
+        bm.append_slots(seq, 6, 2)
+        toks[seq] += new
+        bm.cache_full_blocks(seq, toks[seq], 8)
+    for seq, table in bm.tables.items():
+        parent = None
+        for i, block in enumerate(table):
+            assert block in bm.block_key, f"seq {seq}: full computed block {i} is not registered"
+            h, p, tokens = bm.block_key[block]
+            assert (p, tokens) == (parent, tuple(toks[seq][2 * i:2 * i + 2])), \
+                f"seq {seq}, block {i}: key {(p, tokens)} does not chain onto the block before it"
+            parent = h
+    assert bm.allocate(3, [7, 8, 9]) == 0, "tokens 7, 8 hit only after the prompt they followed"
+    assert bm.allocate(4, toks[2] + [0]) == 8 and bm.tables[4] == bm.tables[2], \
+        "the child's whole sequence hits: its own block chains onto the shared ones"
     bm.check_invariants()
 
 
@@ -471,6 +514,32 @@ def test_randomized_operations_keep_invariants_and_free_everything():
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_count), \
         "after freeing every sequence: every block free, every ref count 0"
+
+
+@pytest.mark.assignment("copy-on-write")
+@pytest.mark.needs("block-allocation")
+def test_a_fork_counts_every_entry_of_the_table():
+    """A table may name one block in several entries: a sliding window points every entry it freed
+    at the null block, and each entry holds a reference. A fork adds one per entry; freeing both
+    sequences then gives back exactly what they held. (The window's freeing is sliding-window's work:
+    written out here.)"""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.null_block = bm._take_free()
+    bm.allocate(1, list(range(8)))
+    bm.append_slots(1, 0, 8)
+    table = bm.tables[1]
+    for i in range(2):                                   # the window left positions 0-3 behind
+        bm._release(table[i])
+        table[i] = bm.null_block
+        bm.ref_count[bm.null_block] += 1
+    bm.check_invariants()
+    bm.fork(1, 2)
+    assert bm.ref_count[bm.null_block] == 5, "the null block: its own reference and 2 entries in each table"
+    bm.check_invariants()
+    bm.free(1)
+    bm.free(2)
+    assert bm.ref_count[bm.null_block] == 1 and bm.num_free_blocks == 7, "all but the null block free"
+    bm.check_invariants()
 
 
 @pytest.mark.assignment("copy-on-write")

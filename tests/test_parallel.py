@@ -176,6 +176,9 @@ def test_shard_model_keeps_each_ranks_slice(quantized):
     # heads per rank, in the modules and in the config the KV cache is built from
     for layer in (a0.qkv_proj, mlp0.gate_up_proj, shards[0].lm_head):
         assert layer.linear.out_features == layer.linear.weight.shape[0], "a column shard says its own out_features"
+    for layer in (a0.o_proj, mlp0.down_proj):              # (int8's bf16 and compiled products reshape by them)
+        assert (layer.linear.out_features, layer.linear.in_features) == tuple(layer.linear.weight.shape), \
+            "a row shard says its own in_features (and the whole out_features)"
     assert (a0.n_heads, a0.n_kv_heads) == (3, 1), "each rank's attention holds its share of the heads and KV heads"
     assert (shards[0].config.n_heads, shards[0].config.n_kv_heads, shards[0].config.ffn_dim) == (3, 1, 64), \
         "the shard's config (the KV cache is built from it) gives per-rank heads, KV heads, FFN"

@@ -22,10 +22,11 @@ from model import fused_rows, load_model, read_config
 from support.checkpoint import write_checkpoint
 
 
-def model_and_scores(seed=0, heads=6):
-    """A 3-layer tiny Llama (`heads` query heads over 2 KV groups, 128 MLP channels) and random
-    scores: any scores define a valid cut, so the surgery is tested apart from the scoring."""
-    m = tiny_model(seed, n_layers=3, n_heads=heads)
+def model_and_scores(seed=0, heads=6, bias=False):
+    """A 3-layer tiny Llama (`heads` query heads over 2 KV groups, 128 MLP channels; q/k/v/o biases
+    with bias, as Qwen2-style checkpoints have) and random scores: any scores define a valid cut,
+    so the surgery is tested apart from the scoring."""
+    m = tiny_model(seed, n_layers=3, n_heads=heads, attention_bias=bias)
     g = torch.Generator().manual_seed(seed)
     scores = {"layers": torch.rand(3, generator=g), "channels": torch.rand(3, 128, generator=g),
               "groups": torch.rand(3, 2, generator=g)}
@@ -47,8 +48,8 @@ def zeroed(model, scores, shape):
     with torch.no_grad():
         for i, layer in enumerate(ref.layers):
             if i not in keep_layers:
-                layer.self_attn.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
+                for p in (*layer.self_attn.o_proj.parameters(), layer.mlp.down_proj.weight):
+                    p.zero_()
                 continue
             cut_ch = sorted(set(range(cfg.ffn_dim)) - kept(scores["channels"][i], shape.ffn_dim))
             layer.mlp.down_proj.weight[:, cut_ch] = 0
@@ -57,12 +58,13 @@ def zeroed(model, scores, shape):
     return ref
 
 
-@pytest.mark.parametrize("layers, ffn, groups", [(3, 64, 2), (3, 128, 1), (2, 128, 2), (2, 64, 1)])
+@pytest.mark.parametrize("layers, ffn, groups, bias", [(3, 64, 2, False), (3, 128, 1, True), (2, 128, 2, False),
+                                                       (2, 64, 1, True)])
 @pytest.mark.assignment("pruning")
 @pytest.mark.needs("model")
-def test_cut_is_the_original_with_the_cut_units_zeroed(layers, ffn, groups):
+def test_cut_is_the_original_with_the_cut_units_zeroed(layers, ffn, groups, bias):
     import dataclasses
-    m, scores = model_and_scores()
+    m, scores = model_and_scores(bias=bias)
     scores["layers"] = torch.tensor([0.2, 0.9, 0.5])         # a cut takes layer 0: kept layers move down
     shape = dataclasses.replace(m.config, n_layers=layers, ffn_dim=ffn, n_kv_heads=groups, n_heads=3 * groups)
     small = prune.cut(m, scores, shape)

@@ -319,7 +319,9 @@ def int4_weights():
     w[2, :32] = w[2, :32].abs() + 0.5
     w[3, 32:64] = -w[3, 32:64].abs() - 0.25
     w[4, 70] = 40.0
-    w[5, :32] = torch.arange(32) % 16 * 0.5 - 3.75          # steps of 0.5 exactly: ties at .25
+    w[5, :32] = torch.arange(32) % 16 * 0.5 - 3.75          # steps of 0.5 exactly: ties at .25 (zero 8)
+    w[6, :32] = torch.arange(32) % 16 * 0.5 - 1.5           # scale 0.5, an odd zero (3): rint(w / s) + 3
+    w[6, 2::2][:15] += 0.25                                 # ties, which rint(w / s + 3) rounds the other way
     return w
 
 
@@ -535,7 +537,8 @@ def _awq_case(seed: int, kind: str):
     """Calibration rows x [96, 64] and weights [48, 64]: with outlier channels ("outliers", or 15x
     larger: "extreme"), without
     ("plain"), or with outlier channels whose weights are large too ("aligned": they already set
-    their groups' range, so scaling them up only coarsens the rest, and alpha 0 is best)."""
+    their groups' range, so scaling them up only coarsens the rest, and alpha 0 is best), or all
+    alike ("flat": every alpha ties)."""
     torch.manual_seed(seed)
     x, w = torch.randn(96, 64), torch.randn(48, 64) * 0.1
     x[:, 40] = 0.0                                     # a dead channel: mean 0 (its s is clamped)
@@ -546,6 +549,8 @@ def _awq_case(seed: int, kind: str):
     if kind == "aligned":
         x[:, [3, 17]] *= 10.0
         w[:, [3, 17]] *= 10.0
+    if kind == "flat":                                 # every channel's mean |x| is 1: s = 1 at every
+        x = torch.randn(96, 64).sign()                 # alpha, a tie that the first alpha (0) wins
     return x, w
 
 
@@ -557,7 +562,7 @@ def test_awq_search_finds_the_best_alpha_of_the_grid():
     that is an alpha > 0, and its error is well below round-to-nearest's (alpha 0); where the
     outlier channels meet large weights it is alpha 0 itself."""
     from quantize import awq_search
-    for seed, kind in ((0, "outliers"), (1, "outliers"), (2, "plain"), (2, "aligned"), (0, "extreme")):
+    for seed, kind in ((0, "outliers"), (1, "outliers"), (2, "plain"), (2, "aligned"), (0, "extreme"), (3, "flat")):
         x, w = _awq_case(seed, kind)
         s, alpha = awq_search(x, w, 32)
         grid = _awq_reference(x, w, 32)
@@ -568,8 +573,8 @@ def test_awq_search_finds_the_best_alpha_of_the_grid():
         assert s.shape == (64,) and torch.allclose(s, best[2].float(), rtol=1e-5), f"case {seed}: s differs"
         if kind in ("outliers", "extreme"):
             assert alpha > 0 and best[0] < 0.8 * errs[0.0], f"case {seed}: AWQ should beat round-to-nearest"
-        if kind == "aligned":
-            assert best[1] == 0.0 and alpha == 0.0, "here round-to-nearest (alpha 0) is the grid's best"
+        if kind in ("aligned", "flat"):
+            assert best[1] == 0.0 and alpha == 0.0, "here round-to-nearest (alpha 0) is the grid's (first) best"
 
 
 @pytest.mark.assignment("awq")

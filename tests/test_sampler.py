@@ -152,6 +152,9 @@ def test_filtered_probs_against_a_direct_reference():
     row, one = torch.tensor([[0.0, -0.6931471805599453, -0.6931471805599453]]), torch.ones(1)
     assert filtered_probs(row, one, [0], [0.5]).tolist() == [[1.0, 0.0, 0.0]], "top_p = 1/2: the first token's mass reaches p"
     assert filtered_probs(row, one, [0], [1.0], [0.5]).tolist() == [[0.5, 0.25, 0.25]], "min_p: a token ON the floor stays"
+    for tiny in (1e-300, 1e-50, 1e-45):                 # valid top_p that round to 0 (or below the first mass)
+        assert filtered_probs(row, one, [0], [tiny]).tolist() == [[1.0, 0.0, 0.0]], \
+            f"top_p = {tiny}: the most likely token is always kept"
 
 
 @pytest.mark.assignment("sampler")

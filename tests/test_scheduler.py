@@ -316,6 +316,39 @@ def test_decodes_stop_at_the_budget_and_a_stuck_pool_preempts_the_newest(real_to
 
 @pytest.mark.assignment("scheduler-step")
 @pytest.mark.needs("block-allocation", "prefix-caching")
+def test_each_limit_holds_back_only_what_it_must(real_tokenizer):
+    """(1) A decode whose 1 + k tokens fill the budget exactly keeps its drafts; one token less of
+    budget drops them. (2) Prompts admitted in one step take n seats each (n > 1 forks). (3) A prefill
+    with no room in the pool is passed over, not a wall: a newer one with room still runs, and nothing
+    is preempted (the pool is not stuck)."""
+    for budget, want in ((3, 3), (2, 1)):
+        sched = Scheduler(BlockManager(100, 4), max_num_seqs=2, max_num_batched_tokens=budget)
+        seq, = make_seqs(real_tokenizer, [1])
+        sched.waiting.append(seq)
+        fake_step(sched, sched.schedule())
+        seq.draft_tokens = [5, 5]
+        assert [i.count for i in sched.schedule()] == [want], \
+            f"1 token + 2 drafts against a budget of {budget}: {want} tokens scheduled"
+    sched = Scheduler(BlockManager(100, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    seqs = make_seqs(real_tokenizer, [5, 5], n=3)
+    sched.waiting.extend(seqs)
+    assert [i.seq for i in sched.schedule()] == seqs[:1] and list(sched.waiting) == seqs[1:], \
+        "a prompt of n = 3 takes 3 seats of 4: the next one (3 more) waits"
+    bm = BlockManager(2, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = make_seqs(real_tokenizer, [8, 6])
+    for s, done in zip(seqs, (4, 2)):                       # the older one's block is full
+        bm.allocate(s.seq_id, s.token_ids)
+        bm.reserve(s.seq_id, 0, done)
+        s.num_computed, s.status = done, "running"
+        sched.running.append(s)
+    assert [(i.seq, i.start, i.count) for i in sched.schedule()] == [(seqs[1], 2, 2)], \
+        "the older prefill has no room; the newer one fills the 2 slots left in its block"
+    assert sched.num_preemptions == 0, "a step that schedules work preempts nobody"
+
+
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("block-allocation", "prefix-caching")
 def test_preempted_sequence_goes_back_to_the_front_of_the_queue(real_tokenizer):
     """Fairness: a preempted sequence arrived before everything still waiting,
     so it returns to the FRONT of the queue and is readmitted first."""

@@ -383,13 +383,23 @@ def test_streaming_concatenates_to_the_full_answer(server):
         status, payload = request(server, "POST", path, {**body, "stream": True,
                                                          "stream_options": {"continuous_usage_stats": True}})
         assert status == 200 and all(c["choices"] and "usage" not in c for c in sse(payload)), payload[-300:]
-    # n = 3 samples (seeded: the same as unstreamed), finishing at different steps: each choice's
-    # deltas add up to its text and its finish_reason is sent once, after which it is never sent again
-    body = {"prompt": "Once upon", "max_tokens": 12, "temperature": 1.0, "seed": 3, "n": 3, "stop": ["e"]}
+    # a step that adds no text sends no chunk: the stop string "<a token's text>@@" holds that token back
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    status, full = request(server, "POST", "/v1/completions", {**body, "logprobs": 0})
+    token = next(t for t in full["choices"][0]["logprobs"]["tokens"][1:] if t.strip().isalnum())
+    chunks = sse(request(server, "POST", "/v1/completions", {**body, "stream": True, "stop": [token + "@@"]})[1])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"], "held-back text is sent later"
+    assert all(c["choices"] for c in chunks) and len(chunks) < full["usage"]["completion_tokens"], \
+        "a step whose text is all held back sends nothing (a chunk without choices breaks clients)"
+    # two prompts, n = 2 samples each (seeded: the same as unstreamed), finishing at different steps:
+    # each choice (index: prompt * n + sample) adds up to its text, its finish_reason sent once, last
+    body = {"prompt": ["Once upon", "The sky"], "max_tokens": 12, "temperature": 1.0, "seed": 3, "n": 2,
+            "stop": ["e"]}
     status, full = request(server, "POST", "/v1/completions", body)
     status, payload = request(server, "POST", "/v1/completions", {**body, "stream": True,
                                                                    "stream_options": {"include_usage": True}})
     chunks = sse(payload)
+    assert sorted(c["index"] for c in full["choices"]) == [0, 1, 2, 3], full["choices"]
     for c in full["choices"]:
         mine = [ch for chunk in chunks for ch in chunk["choices"] if ch["index"] == c["index"]]
         assert "".join(ch["text"] for ch in mine) == c["text"], f"choice {c['index']}: deltas != its text"
