@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from helpers import tiny_config, tiny_model
 
-from cache import AttentionContext, BlockManager, KVCache, kv_cache_bytes, num_blocks_for_budget
+from cache import AttentionContext, BlockManager, KVCache, kv_cache_bytes, num_blocks_for_budget, paged_attention
 from model import read_config
 
 
@@ -42,6 +42,9 @@ def test_bytes_per_token_formula_and_real_allocation():
     # layers: 2 * 4 layers / 2, and 6 layers of which every 3rd is global
     cla, lg = tiny_config(n_layers=4, cla_share=2), tiny_config(n_layers=6, sliding_window=8, global_every=3)
     assert kv_cache_bytes(cla, torch.float32) == 2 * 2 * 2 * 16 * 4, "CLA-2: only the layers with K/V count"
+    odd = tiny_config(n_layers=5, cla_share=2)          # groups (0, 1), (2, 3), (4): 3 layers hold K/V
+    assert kv_cache_bytes(odd, torch.float32) == 2 * 3 * 2 * 16 * 4 == \
+        KVCache(odd, 1, 1, "cpu", torch.float32).total_bytes, "CLA-2 over 5 layers: the last group counts too"
     assert kv_cache_bytes(lg, torch.float32) == 2 * 2 * 2 * 16 * 4, "global_every=3: the global layers count"
     budget = 10_000
     n = num_blocks_for_budget(kv_cache_bytes(cfg, torch.float32), 16, budget)
@@ -119,6 +122,43 @@ def test_paged_attention_equals_sdpa(block_size, n_heads, n_kv):
             (0, 1)]             # a one-token prompt
     out, ref, _ = paged_step(seqs, block_size, n_heads, n_kv)
     assert torch.allclose(out, ref, atol=1e-5), f"max err {(out - ref).abs().max():.2e}"
+
+
+@pytest.mark.assignment("paged-attention")
+@pytest.mark.needs("kv-cache-bytes", "block-allocation")
+def test_paged_attention_reads_a_v_narrower_than_k():
+    """MLA's latent cache reads V as the first r values of K's r + R (cache.LatentCache): the
+    output is as wide as V. A cache whose V is the first half of K stands in for it."""
+    class Narrow(KVCache):
+        def blocks(self, layer, block_ids):
+            k, _ = super().blocks(layer, block_ids)
+            return k, k[..., :k.shape[-1] // 2]
+    g = torch.Generator().manual_seed(3)
+    cfg = tiny_config(n_layers=1, n_heads=4, n_kv_heads=1, head_dim=8)
+    cache, bm = Narrow(cfg, 4, 4, "cpu", torch.float32), BlockManager(4, 4, enable_prefix_caching=False)
+    q, k = torch.randn(10, 4, 8, generator=g), torch.randn(10, 1, 8, generator=g)
+    bm.allocate(0, list(range(10)))
+    cache.write(0, torch.tensor(bm.append_slots(0, 0, 10)), k, k)
+    out = paged_attention(q, cache, 0, torch.tensor([bm.tables[0]]), [10], [10])
+    assert out.shape == (10, 4, 4) and torch.allclose(out, sdpa_reference(q, k, k[..., :4]), atol=1e-5), \
+        "paged attention with V of width 4 under K of width 8: [N, H, 4], as SDPA"
+
+
+@pytest.mark.assignment("paged-attention")
+@pytest.mark.needs("kv-cache-bytes")
+def test_paged_attention_over_a_bf16_pool_rounds_once():
+    """A bf16 pool: scores and softmax in float32, the output rounded to bf16 once, so it is within
+    one bf16 rounding (2^-8 of the largest value) of the same attention in float64 on the same inputs."""
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(tiny_config(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64), 8, 16, "cpu", torch.bfloat16)
+    k, v, q = (torch.randn(*shape, generator=g) * 3 for shape in ((100, 2, 64), (100, 2, 64), (1, 4, 64)))
+    k, v, q = k.bfloat16(), (v / 3).bfloat16(), q.bfloat16()
+    cache.write(0, torch.arange(100), k, v)
+    out = paged_attention(q, cache, 0, torch.arange(7)[None], [100], [1])[0].double()
+    kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    ref = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[0].double(), kk) / 8).softmax(-1), vv)
+    assert (out - ref).abs().max() <= ref.abs().max() * 2 ** -8, \
+        f"bf16 error {(out - ref).abs().max():.4f}: compute the scores and softmax in float32"
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -227,6 +267,7 @@ def test_scripted_allocate_append_fork_free():
     bm.fork(1, 2)
     assert bm.ref_count[:3] == [2, 2, 2] and bm.num_free_blocks == 5, \
         "a fork shares every block: ref counts up, nothing copied"
+    assert bm.hashed[2] == bm.hashed[1], "the child resumes registration where the parent stands"
     # seq 2 writes position 10: its last block (2) is shared -> private copy (block 3)
     assert bm.append_slots(2, 10, 1) == [3 * 4 + 2], "writing into a shared block goes to a fresh private copy"
     assert bm.pending_copies == [(2, 3)] and bm.tables[2] == [0, 1, 3], \
@@ -353,6 +394,13 @@ def test_hash_collisions_are_never_hits():
     assert bm.allocate(2, [9, 9, 9, 9, 9]) == 0, "a colliding hash with other tokens is a miss"
     assert bm.allocate(3, a) == 4, "the genuine prefix still hits"
     bm.check_invariants()
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm._key = lambda parent, tokens: hash(tokens)                 # blind to the parent: same tokens collide
+    b = [7] * 4 + [1] * 4 + [0]
+    bm.allocate(1, b)
+    bm.append_slots(1, 0, 9)
+    bm.cache_full_blocks(1, b, 9)
+    assert bm.allocate(2, [1] * 4 + [5]) == 0, "the same tokens after another prefix are a miss: the parent counts"
 
 
 @pytest.mark.assignment("prefix-caching")
@@ -424,6 +472,13 @@ def test_the_free_list_is_least_recently_used_and_a_table_goes_back_tail_first()
     assert bm.tables[4] == [5] and 7 not in bm.cached and 5 not in bm.block_key, \
         "a block handed out again must leave the prefix cache: a lookup would find other tokens"
     bm.check_invariants()
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    bm.allocate(1, [1] * 3)
+    bm.append_slots(1, 0, 3)
+    bm.changed.clear()
+    assert bm.append_slots(1, 3, 3) == [3, 4, 5] and bm.tables[1] == [0, 1], \
+        "from mid-block across a boundary: each position in its own block at its own offset"
+    assert bm.changed == {1}, "a table that grew is reported (graphs.StepInputs rebuilds its row from `changed`)"
 
 
 @pytest.mark.assignment("prefix-caching")
@@ -523,7 +578,7 @@ def test_a_fork_counts_every_entry_of_the_table():
     at the null block, and each entry holds a reference. A fork adds one per entry; freeing both
     sequences then gives back exactly what they held. (The window's freeing is sliding-window's work:
     written out here.)"""
-    bm = BlockManager(num_blocks=8, block_size=2)
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
     bm.null_block = bm._take_free()
     bm.allocate(1, list(range(8)))
     bm.append_slots(1, 0, 8)
@@ -581,11 +636,13 @@ def test_free_reports_the_table_and_cancels_copies_into_its_blocks():
     for sid, n in ((1, 6), (3, 2)):
         bm.allocate(sid, list(range(n)))
         bm.append_slots(sid, 0, n)
-    mine, other = bm.tables[1][-1], bm.tables[3][0]
-    bm.pending_copies = [(other, mine)]
+    first, mine, other = bm.tables[1][0], bm.tables[1][-1], bm.tables[3][0]
+    bm.pending_copies = [(other, mine), (first, other)]
     bm.changed.clear()
     bm.free(1)
-    assert bm.pending_copies == [], "a copy into a block given back must never run"
+    assert bm.pending_copies == [(first, other)], \
+        "a copy into a block given back must never run; a copy OUT of one still does (its data stays " \
+        "until the block is taken again, after this step's copies)"
     assert bm.changed == {1} and 1 not in bm.hashed and 1 not in bm.tables, \
         "free reports the table changed and keeps nothing of the sequence"
     bm.check_invariants()

@@ -126,6 +126,15 @@ def test_batched_and_in_place_attention_keep_a_sliding_window(W):
     out = paged_attention_in_place(q, cache, 0, bt, q_pos)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5,
                                msg=f"window {W}: the compiled path's attention must see keys p - W < k <= p only")
+    # a mixed step: a chunk of Q beside decodes of 1 (query_lens), at a caller's scale
+    lens, scale = torch.tensor([Q] + [1] * (B - 1)), 0.3
+    out = batched_paged_attention(q, cache, 0, bt, torch.tensor(seq_lens), lens, scale=scale)
+    for b, (n, m) in enumerate(zip(seq_lens, lens.tolist())):
+        pos, keys = torch.arange(n - m, n)[:, None], torch.arange(k.shape[1])[None, :]
+        band = (keys <= pos) & (keys > pos - W)
+        p = (torch.einsum("qhd,thd->hqt", q[b, :m].double(), k[b]) * scale).masked_fill(~band, float("-inf"))
+        torch.testing.assert_close(out[b, :m].double(), torch.einsum("hqt,thd->qhd", p.softmax(-1), v[b]),
+                                   atol=1e-5, rtol=1e-5, msg=f"window {W}, {m} real queries at scale {scale}")
 
 
 @pytest.mark.assignment("decode-attention")

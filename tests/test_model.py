@@ -105,6 +105,9 @@ def test_rope_is_a_rotation_of_complex_pairs():
     assert torch.allclose(got, rope_as_complex(x, pos, rope_frequencies(cfg)), atol=1e-4), \
         "RoPE rotates each (x_i, x_{i+d/2}) pair, as a complex number, by position * frequency"
     assert torch.allclose(got.norm(dim=-1), x.norm(dim=-1), atol=1e-4), "a rotation keeps the norm"
+    half = rope(x.bfloat16(), pos, cfg)                   # bf16 in, bf16 out: the float32 rotation, rounded once
+    assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), rope(x.bfloat16().float(), pos, cfg)
+                                                           .bfloat16().float(), atol=1e-2), "RoPE keeps x's dtype"
 
 
 @pytest.mark.assignment("rmsnorm-rope")
@@ -179,6 +182,11 @@ def test_dense_attention_equals_sdpa(n_heads, n_kv):
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(G, 1).transpose(0, 1),
                                          v.repeat_interleave(G, 1).transpose(0, 1), is_causal=True)
     assert torch.allclose(got, ref.transpose(0, 1), atol=1e-5), "causal GQA attention != SDPA"
+    v = torch.randn(N, n_kv, d // 2)                      # MLA's dense path: V narrower than Q and K
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(G, 1).transpose(0, 1),
+                                         v.repeat_interleave(G, 1).transpose(0, 1), is_causal=True)
+    assert torch.allclose(dense_causal_attention(q, k, v), ref.transpose(0, 1), atol=1e-5), \
+        "the output is as wide as V ([N, H, dv]), not as Q"
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -179,6 +179,11 @@ def test_shard_model_keeps_each_ranks_slice(quantized):
     for layer in (a0.o_proj, mlp0.down_proj):              # (int8's bf16 and compiled products reshape by them)
         assert (layer.linear.out_features, layer.linear.in_features) == tuple(layer.linear.weight.shape), \
             "a row shard says its own in_features (and the whole out_features)"
+    lin = torch.nn.Linear(8, 4)
+    whole = lin.bias.detach().clone()
+    biased = RowParallelLinear(lin, 1, 2, None)                               # (comm: unused until forward)
+    assert biased.linear.bias is None and biased.bias is not None and torch.equal(biased.bias, whole), \
+        "a row shard's bias moves whole to the module (added once, after the all-reduce), none on the slice"
     assert (a0.n_heads, a0.n_kv_heads) == (3, 1), "each rank's attention holds its share of the heads and KV heads"
     assert (shards[0].config.n_heads, shards[0].config.n_kv_heads, shards[0].config.ffn_dim) == (3, 1, 64), \
         "the shard's config (the KV cache is built from it) gives per-rank heads, KV heads, FFN"

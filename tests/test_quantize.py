@@ -68,6 +68,9 @@ def test_quantizer_equals_an_independent_reference():
                         f"{q[tuple(bad[0])]} vs round-half-to-even {rq[tuple(bad[0])]}"
         back = dequantize_int8(q, scale, dim=dim)
         assert torch.equal(back, rback.float()), f"dim {dim}: dequantize must be q * scale (in float32)"
+    big = torch.randn(4096, 256, generator=torch.Generator().manual_seed(0))   # a million values: every
+    q, _ = quantize_int8(big)                                                  # near-tie rounds as w / scale
+    assert torch.equal(q, int8_reference(big)[0]), f"{int((q != int8_reference(big)[0]).sum())} of 1M values differ"
 
 
 @pytest.mark.assignment("int8")
@@ -331,25 +334,30 @@ def test_int4_quantizer_and_packing_equal_an_independent_reference():
     and 64; pack_int4 puts column 2j in the low nibble of byte j; unpack_int4 inverts it; and
     dequantize_int4 is (q - zero) * scale exactly, within half a step of w in its range."""
     from quantize import dequantize_int4, pack_int4, quantize_int4, unpack_int4
-    w = int4_weights()
-    for group in (32, 64):
+    small = torch.randn(2048, 128, generator=torch.Generator().manual_seed(1)) * 0.02   # 8192 groups of a trained size
+    for group, w in ((32, int4_weights()), (64, int4_weights()), (32, small)):
         q, scale, zero = quantize_int4(w, group)
         rq, rscale, rzero, rback = int4_reference(w, group)
-        assert scale.dtype == torch.float16 and scale.shape == (12, 128 // group), "scales: float16 [N, K // group]"
+        assert scale.dtype == torch.float16 and scale.shape == (len(w), 128 // group), "scales: float16 [N, K // group]"
         assert torch.equal(scale, rscale), f"group {group}: scales differ at {(scale != rscale).nonzero()[:3].tolist()}"
         assert zero.dtype == torch.uint8 and torch.equal(zero, rzero), f"group {group}: zero points differ"
         bad = (q != rq).nonzero().tolist()
         assert q.dtype == torch.uint8 and not bad, f"group {group}: levels differ at {bad[:5]}"
         packed = pack_int4(q)
         by_hand = (rq[:, 0::2].int() + 16 * rq[:, 1::2].int()).to(torch.uint8)
-        assert packed.shape == (12, 64) and packed.dtype == torch.uint8, "two levels a byte: [N, K // 2] uint8"
+        assert packed.shape == (len(w), 64) and packed.dtype == torch.uint8, "two levels a byte: [N, K // 2] uint8"
         assert torch.equal(packed, by_hand), "byte j holds column 2j (low nibble) and 2j + 1 (high nibble)"
         assert torch.equal(unpack_int4(packed), q), "unpack_int4 must invert pack_int4"
         back = dequantize_int4(q, scale, zero)
         assert back.dtype == torch.float32 and torch.equal(back, rback), f"group {group}: dequantize differs"
+        levels = (q.double() - zero.double().repeat_interleave(group, 1))       # exact, then one rounding:
+        once = (levels * scale.bfloat16().double().repeat_interleave(group, 1)).bfloat16()   # (q - zero) * s
+        assert torch.equal(dequantize_int4(q, scale, zero, torch.bfloat16), once), "bf16: (q - zero) * scale"
         step = scale.float().repeat_interleave(group, dim=1)
+        if w is small:      # (its float16 scales may round down: the clamp then costs more than half a step)
+            continue
         assert ((back - w).abs() <= step / 2 * (1 + 1e-3) + 1e-6).all(), "an error beyond half a step"
-    assert (back[1, :32] == 0).all(), "an all-zero group must stay zero"
+        assert (back[1, :32] == 0).all(), "an all-zero group must stay zero"
 
 
 @pytest.mark.needs("int4")

@@ -152,6 +152,9 @@ def test_filtered_probs_against_a_direct_reference():
     row, one = torch.tensor([[0.0, -0.6931471805599453, -0.6931471805599453]]), torch.ones(1)
     assert filtered_probs(row, one, [0], [0.5]).tolist() == [[1.0, 0.0, 0.0]], "top_p = 1/2: the first token's mass reaches p"
     assert filtered_probs(row, one, [0], [1.0], [0.5]).tolist() == [[0.5, 0.25, 0.25]], "min_p: a token ON the floor stays"
+    every = filtered_probs(logits[:2], torch.ones(2), [0, 0], [1.0, 1.0])
+    assert torch.equal(filtered_probs(logits[:2], torch.ones(2), [50, 500], [1.0, 1.0]), every), \
+        "top_k >= the vocabulary keeps every token (as top_k = 0)"
     for tiny in (1e-300, 1e-50, 1e-45):                 # valid top_p that round to 0 (or below the first mass)
         assert filtered_probs(row, one, [0], [tiny]).tolist() == [[1.0, 0.0, 0.0]], \
             f"top_p = {tiny}: the most likely token is always kept"
@@ -170,6 +173,10 @@ def test_draw_is_the_inverse_cdf_of_unnormalized_rows():
         got = draw(probs, torch.tensor([u0, u1], dtype=torch.float64)).tolist()
         want1 = 0 if u1 < 0.5 else 2 if u1 < 0.75 else 4
         assert got == [tok0, want1], f"u = {u0}, {u1}: drew {got}, the inverse CDF gives {[tok0, want1]}"
+    tail = torch.zeros(1, 1000, dtype=torch.float32)
+    tail[0, 0], tail[0, 1] = 1.0, 3e-8                  # below float32's resolution next to 1
+    got = draw(tail, torch.tensor([1 - 1.5e-8], dtype=torch.float64)).item()
+    assert got == 1, f"a tail token below float32's resolution must be drawable (drew {got}): the CDF in float64"
 
 # ---------------------------------------- sample_tokens: the step's one call
 

@@ -277,11 +277,13 @@ def test_scheduler_preempts_the_newest_sequence(real_tokenizer):
     for s in seqs:
         sched.waiting.append(s)
     fake_step(sched, sched.schedule())      # three 4-token prompts: 3 full blocks
+    seqs[2].draft_tokens = [5, 5]           # drafts of a step that will never verify them
     fake_step(sched, sched.schedule())      # decodes: seq 0 gets the last block, 1 and 2 cannot
     assert sched.num_preemptions >= 1, "the pool cannot give every decode its next block: something must be preempted"
     assert seqs[2].status == "waiting" and sched.waiting[0] is seqs[2], "newest goes back to the front"
     assert seqs[0].status == "running", "the OLDEST running sequence keeps running (the newest is preempted)"
     assert seqs[2].num_computed == 0 and len(seqs[2].token_ids) == 5, "generated tokens are kept for recompute"
+    assert seqs[2].draft_tokens == [], "a preempted sequence's drafts are dropped (its cache is gone)"
 
 
 @pytest.mark.assignment("scheduler-step")
@@ -345,6 +347,48 @@ def test_each_limit_holds_back_only_what_it_must(real_tokenizer):
     assert [(i.seq, i.start, i.count) for i in sched.schedule()] == [(seqs[1], 2, 2)], \
         "the older prefill has no room; the newer one fills the 2 slots left in its block"
     assert sched.num_preemptions == 0, "a step that schedules work preempts nobody"
+
+
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("block-allocation", "prefix-caching", "copy-on-write")
+def test_preemption_and_admission_touch_only_what_they_must(real_tokenizer):
+    """(1) Two samples of one prompt share a full pool: preempting the newest frees nothing
+    shared, so the scheduler goes on preempting until the decode fits (never a reserve from an
+    empty pool). (2) A running sequence with nothing to feed (its token still on the device: the
+    overlapped engine) is not stuck: no preemption. (3) With no budget left nothing is admitted, not
+    even looked up: the prefix cache's counters and LRU order stay as they were."""
+    bm = BlockManager(2, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    parent, = make_seqs(real_tokenizer, [8], n=2)
+    sched.waiting.append(parent)
+    fake_step(sched, sched.schedule())                      # 8 prompt tokens: both blocks
+    child, = sched.fork(parent, 8, real_tokenizer)
+    out = sched.schedule()                                  # each needs a third block: none is free
+    assert sched.num_preemptions == 2 and [(i.seq, i.start, i.count) for i in out] == [(parent, 0, 8)], \
+        "the child's blocks are shared, so preempting it frees none: the parent yields too (and restarts)"
+    assert list(sched.waiting) == [child] and bm.check_invariants() is None
+    sched = Scheduler(BlockManager(8, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    seq, = make_seqs(real_tokenizer, [5])
+    sched.waiting.append(seq)
+    sched.schedule()
+    seq.num_computed = len(seq.token_ids)                   # computed; its sampled token not back yet
+    assert sched.schedule() == [] and sched.num_preemptions == 0, "nothing to feed is not stuck"
+    bm = BlockManager(16, 4)
+    cached = list(range(1, 10))
+    bm.allocate(99, cached)
+    bm.append_slots(99, 0, 9)
+    bm.cache_full_blocks(99, cached, 9)
+    bm.free(99)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=1)
+    a, b = make_seqs(real_tokenizer, [1, 9])
+    b.token_ids[:] = cached
+    sched.waiting.append(a)
+    fake_step(sched, sched.schedule())                      # a decodes now: the whole 1-token budget
+    sched.waiting.append(b)
+    queries, lru = bm.prefix_queries, list(bm.free_blocks)
+    assert [i.seq for i in sched.schedule()] == [a] and b.seq_id not in bm.tables
+    assert (bm.prefix_queries, list(bm.free_blocks)) == (queries, lru), \
+        "no budget left: the waiting prompt is not looked up (no hits counted, its blocks not moved)"
 
 
 @pytest.mark.assignment("scheduler-step")

@@ -350,6 +350,7 @@ def test_streaming_concatenates_to_the_full_answer(server):
                                                                 "stream_options": {"include_usage": True}}, full=True)
         assert status == 200 and resp.getheader("Content-Type", "").startswith("text/event-stream"), \
             resp.getheader("Content-Type")
+        assert resp.getheader("Cache-Control") == "no-cache", "a proxy must not buffer (or cache) the stream"
         chunks = sse(payload)
         if "chat" in path:
             text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
@@ -391,6 +392,10 @@ def test_streaming_concatenates_to_the_full_answer(server):
     assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"], "held-back text is sent later"
     assert all(c["choices"] for c in chunks) and len(chunks) < full["usage"]["completion_tokens"], \
         "a step whose text is all held back sends nothing (a chunk without choices breaks clients)"
+    chunks = sse(request(server, "POST", "/v1/completions", {**body, "stream": True, "stop": [token + "@@"],
+                                                             "logprobs": 0})[1])
+    assert [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]] == \
+        full["choices"][0]["logprobs"]["tokens"], "... but a held-back token's logprob is still sent, in its step"
     # two prompts, n = 2 samples each (seeded: the same as unstreamed), finishing at different steps:
     # each choice (index: prompt * n + sample) adds up to its text, its finish_reason sent once, last
     body = {"prompt": ["Once upon", "The sky"], "max_tokens": 12, "temperature": 1.0, "seed": 3, "n": 2,
