@@ -142,6 +142,8 @@ class ModelDrafter:
         """-> [(tokens, probs [len(tokens), V])]; sample_fn(logits [R, V], request indices, step)
         -> (tokens [R], probs [R, V]), with each one's params."""
         out = [([], []) for _ in requests]
+        for sid, tokens, _ in requests:     # drafts the target never verified (the scheduler
+            self.rollback(sid, len(tokens) - 1)   # dropped them) leave the cache: feed >= 1 token
         # Step 0 feeds what the draft cache lacks (usually 1-2 tokens); then the last draft.
         feed = {i: tokens[self.computed.get(sid, 0):]
                 for i, (sid, tokens, k) in enumerate(requests) if k > 0}
