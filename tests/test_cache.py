@@ -154,7 +154,9 @@ def test_paged_attention_over_a_bf16_pool_rounds_once():
     k, v, q = (torch.randn(*shape, generator=g) * 3 for shape in ((100, 2, 64), (100, 2, 64), (1, 4, 64)))
     k, v, q = k.bfloat16(), (v / 3).bfloat16(), q.bfloat16()
     cache.write(0, torch.arange(100), k, v)
-    out = paged_attention(q, cache, 0, torch.arange(7)[None], [100], [1])[0].double()
+    out = paged_attention(q, cache, 0, torch.arange(7)[None], [100], [1])
+    assert out.dtype == torch.bfloat16, "the output has the query's dtype (o_proj's weights are bf16)"
+    out = out[0].double()
     kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
     ref = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", q[0].double(), kk) / 8).softmax(-1), vv)
     assert (out - ref).abs().max() <= ref.abs().max() * 2 ** -8, \

@@ -129,11 +129,11 @@ def test_batched_and_in_place_attention_keep_a_sliding_window(W):
     # a mixed step: a chunk of Q beside decodes of 1 (query_lens), at a caller's scale
     lens, scale = torch.tensor([Q] + [1] * (B - 1)), 0.3
     out = batched_paged_attention(q, cache, 0, bt, torch.tensor(seq_lens), lens, scale=scale)
-    for b, (n, m) in enumerate(zip(seq_lens, lens.tolist())):
-        pos, keys = torch.arange(n - m, n)[:, None], torch.arange(k.shape[1])[None, :]
+    for b, (n, m) in enumerate(zip(seq_lens, lens.tolist())):      # padding rows: the last real position
+        pos, keys = torch.arange(n - m, n - m + Q).clamp(max=n - 1)[:, None], torch.arange(k.shape[1])[None, :]
         band = (keys <= pos) & (keys > pos - W)
-        p = (torch.einsum("qhd,thd->hqt", q[b, :m].double(), k[b]) * scale).masked_fill(~band, float("-inf"))
-        torch.testing.assert_close(out[b, :m].double(), torch.einsum("hqt,thd->qhd", p.softmax(-1), v[b]),
+        p = (torch.einsum("qhd,thd->hqt", q[b].double(), k[b]) * scale).masked_fill(~band, float("-inf"))
+        torch.testing.assert_close(out[b].double(), torch.einsum("hqt,thd->qhd", p.softmax(-1), v[b]),
                                    atol=1e-5, rtol=1e-5, msg=f"window {W}, {m} real queries at scale {scale}")
 
 

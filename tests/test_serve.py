@@ -380,6 +380,8 @@ def test_streaming_concatenates_to_the_full_answer(server):
         counts = [c["usage"]["completion_tokens"] for c in sse(payload)]
         assert counts == sorted(counts) and counts[-1] == full["usage"]["completion_tokens"], \
             "continuous usage counts never decrease and end at the final completion_tokens"
+        assert not sse(payload)[-1]["choices"] and sse(payload)[-1]["usage"] == full["usage"], \
+            "with continuous usage too, the last chunk is the usage chunk (no choices)"
         # ... only together with include_usage, as in vLLM: alone, it adds usage nowhere
         status, payload = request(server, "POST", path, {**body, "stream": True,
                                                          "stream_options": {"continuous_usage_stats": True}})
@@ -1421,6 +1423,21 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
     assert wait_all_free(llm), "the aborted request's KV blocks were not freed"
     assert time.monotonic() - t0 < 0.5, "the departed client's request kept running"
     assert metric(server, "nanoinfer_requests_aborted_total") == aborted + 1, "the abort was not counted"
+    # two prompts, a stop string only the first one's text holds: it finishes, then the client leaves
+    base = {"prompt": ["a", "Once upon a time"], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    texts = [c["text"] for c in sorted(request(server, "POST", "/v1/completions", base)[1]["choices"],
+                                       key=lambda c: c["index"])]
+    stop = min((texts[0].find(c), c) for c in set(texts[0]) if c not in texts[1])[1]
+    aborted = metric(server, "nanoinfer_requests_aborted_total")      # (the second runs past 200 tokens)
+    stream = start_stream(server, {**base, "stop": [stop], "stream": True, "max_tokens": llm.max_len - 16})
+    buf = stream.first
+    while b'"finish_reason": "stop"' not in buf:
+        buf += stream.resp.read1(65536)
+    stream.close()
+    t0 = time.monotonic()
+    assert wait_all_free(llm) and time.monotonic() - t0 < 0.5, \
+        "the prompt still running when its client left (after the other finished) kept running"
+    assert metric(server, "nanoinfer_requests_aborted_total") == aborted + 1, "the second prompt was not aborted"
 
 
 @pytest.mark.needs("engine")

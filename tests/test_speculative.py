@@ -52,10 +52,11 @@ def test_first_rejected_gives_exactly_one_corrected_token():
 def test_a_draft_the_target_never_emits_is_always_rejected():
     target = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
     for seed in range(50):
-        out = rejection_sample(target, torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([0]),
-                               torch.Generator().manual_seed(seed))
-        assert len(out) == 1 and out[0] in (1, 2), \
-            "a draft the target gives probability 0 is always rejected, resampled from the residual"
+        for draft in ([1.0, 0.0, 0.0], [0.0, 1.0, 0.0]):          # the draft's own p(x): 1, or 0 too
+            out = rejection_sample(target, torch.tensor([draft]), torch.tensor([0]),
+                                   torch.Generator().manual_seed(seed))
+            assert len(out) == 1 and out[0] in (1, 2), \
+                f"a draft the target gives probability 0 is always rejected (draft p = {draft})"
 
 
 def random_dists(g, *shape):
