@@ -410,8 +410,7 @@ class BlockManager:
 
     def truncate(self, seq_id: int, num_tokens: int):
         """Keep only the blocks of the first num_tokens tokens (rollback of rejected drafts)."""
-        table = self.tables[seq_id]
-        keep = math.ceil(num_tokens / self.block_size)
+        table, keep = self.tables[seq_id], math.ceil(num_tokens / self.block_size)
         for block in reversed(table[keep:]):
             self._forget(block)                     # it held rejected drafts: not a valid prefix
             self._release(block)

@@ -41,7 +41,6 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -68,10 +67,10 @@ from tokenizer import Tokenizer
 def option(default, help: str, **bounds):
     """A field of EngineConfig: its default, its range (ge / le / choices, checked by
     support/checks.py as SamplingParams' are) and one line of help for serve.py's flag."""
-    return field(default=default, metadata={"help": help, **bounds})
+    return dataclasses.field(default=default, metadata={"help": help, **bounds})
 
 
-@dataclass
+@dataclasses.dataclass
 class EngineConfig:
     """The engine's options: LLM(EngineConfig(...)) and LLM(**options) are the same, and
     serve.py makes a flag of each field (--block-size for block_size). Each is a lesson."""
@@ -463,10 +462,9 @@ class Speculation:
 
     def verified(self, seq, n_accepted: int, block_manager):
         """After the target's pass: keep the cache of the accepted drafts only."""
-        m = len(seq.draft_tokens)
         # K/V hold the fed token and the accepted drafts; the last (correction or bonus) is fed
         # next step
-        seq.num_computed = len(seq.token_ids) + n_accepted
+        m, seq.num_computed = len(seq.draft_tokens), len(seq.token_ids) + n_accepted
         block_manager.truncate(seq.seq_id, seq.num_computed)
         self.drafter.rollback(seq.seq_id, seq.num_computed)
         metrics = seq.request.metrics
@@ -501,10 +499,9 @@ def make_kv_pool(cfg, c: EngineConfig, scratch: int = 0, allocate=None, reserve:
     device, dtype, int8 = torch.device(c.device), c.dtype, c.kv_cache_dtype == "int8"
     # bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value (+ scales)
     per_token = int8_kv_cache_bytes(cfg) if int8 else kv_cache_bytes(cfg, dtype)
-    budget = c.kv_cache_bytes
-    if budget is None:     # CUDA: 90% of what the weights left, less `reserve`; CPU: 1 GiB
-        budget = (int(0.9 * torch.cuda.mem_get_info(device)[0]) - reserve
-                  if device.type == "cuda" else 1 << 30)
+    # default: on CUDA 90% of what the weights left, less `reserve`; on a CPU 1 GiB
+    budget = c.kv_cache_bytes or (int(0.9 * torch.cuda.mem_get_info(device)[0]) - reserve
+                                  if device.type == "cuda" else 1 << 30)
     local, local_bytes = local_pool(cfg, c, dtype)   # local + global layers: a window per seat
     budget -= local_bytes
     num_blocks = num_blocks_for_budget(per_token, c.block_size, budget)

@@ -399,8 +399,7 @@ class CompiledDecoder:
         writes only the scratch block); return the rows of self.logits that hold the real
         queries' logits (logits_rows'), in that copy too: its own would wait for the replay.
         pending: the rows whose token the last step sampled, copied in from the device."""
-        Q, Bp, W = key
-        B, scratch = len(qlens), self.scratch_block * self.cache.block_size
+        (Q, Bp, W), B, scratch = key, len(qlens), self.scratch_block * self.cache.block_size
         src, real = query_rows(np.cumsum(qlens) - qlens, qlens, Q)            # [B, Q] each
         prow = np.flatnonzero(real)[slice(None) if logits_rows is None else logits_rows]   # [R]
         (ids, pos), slot = np.zeros((2, Bp, Q), np.int64), np.full((Bp, Q), scratch)

@@ -97,8 +97,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         """x [..., D] -> the same shape and dtype (the order above)."""
         # assignment: rmsnorm-rope
-        dtype = x.dtype
-        x = x.float()
+        dtype, x = x.dtype, x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
         # end assignment
@@ -158,8 +157,7 @@ def dense_causal_attention(q, k, v, window: int | None = None, scale: float | No
     grouping: the H query heads are n_kv groups of G = H // n_kv heads sharing one K/V head;
     reshape q, never copy k/v (what GQA avoids)."""
     # assignment: gqa-attention
-    N, H, d = q.shape
-    n_kv = k.shape[1]
+    (N, H, d), n_kv = q.shape, k.shape[1]
     qg = q.view(N, n_kv, H // n_kv, d)                               # [N, n_kv, G, d]
     scale = d ** -0.5 if scale is None else scale          # 1/sqrt(d): scores of unit variance
     scores = torch.einsum("qhgd,khd->hgqk", qg.float(), k.float()) * scale   # [n_kv, G, N, N]
@@ -389,12 +387,22 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
 def model_flops_per_token(cfg: ModelConfig, context: int) -> float:
     """FLOPs to run one token through the model at a `context`-token position: 2 FLOPs (a multiply
     and an add) per weight of every matmul, plus attention's QK^T and PV over the context. A decode
-    step of B sequences does B x this for one read of the weights (experiments/roofline.py)."""
+    step of B sequences does B x this for one read of the weights (experiments/roofline.py).
+    The matmuls are the model's own: CLA's sharing layers have no k, v; MLA's differ."""
     # assignment: roofline
-    d, h, kv, hd, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
-    # q, k, v, o + gate, up, down (each 2 * in * out); QK^T and PV: each 2 * H * hd per cached token
-    per_layer = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f) + 4 * h * hd * context
-    return cfg.n_layers * per_layer + 2 * d * cfg.vocab_size
+    d, h, hd, f, L = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.ffn_dim, cfg.n_layers
+    if not cfg.kv_lora_rank:   # q, o (H hd x D) in every layer; k, v (n_kv hd x D) in ceil(L / S)
+        kv_rows = 2 * cfg.n_kv_heads * hd * -(-L // cfg.cla_share)   # (CLA: where K/V are made)
+        attn = L * (d * h * hd + h * hd * d) + kv_rows * d
+        per_cached = 4 * h * hd             # QK^T and PV: 2 H hd each per cached token
+    else:    # MLA: q (or q_a, q_b), kv_a [r + R, D], kv_b [H (nope + dv), r], o [D, H dv]
+        r, R, nope, dv, qr = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+                              cfg.v_head_dim, cfg.q_lora_rank)
+        q = d * h * (nope + R) if qr is None else qr * (d + h * (nope + R))
+        attn = L * (q + d * (r + R) + r * h * (nope + dv) + h * dv * d)
+        per_cached = 2 * h * (2 * r + R)    # absorbed, as the engine runs it: QK^T over r + R, PV r
+    # + gate, up, down (3 x F x D) in every layer and the LM head (V x D)
+    return 2 * (attn + L * 3 * d * f + d * cfg.vocab_size) + L * per_cached * context
     # end assignment
 
 

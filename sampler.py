@@ -112,8 +112,7 @@ def filtered_probs(logits, temperature, top_k: list[int], top_p: list[float], mi
     order): logits [R, V] float32, temperature [R]; top_k (0 = off), top_p (1 = off), min_p (0 =
     off) host lists, so no round trip decides which rows to filter. Ties at a threshold stay."""
     # assignment: sampler
-    R, V = logits.shape
-    dev = logits.device
+    V, dev = logits.shape[1], logits.device
     logits = logits / temperature[:, None]
     m_rows = [i for i, m in enumerate(min_p or ()) if m > 0]
     if m_rows:              # min-p: keep p >= min_p * max p, a cut that follows the certainty

@@ -180,8 +180,9 @@ ASSIGNMENTS = {
         "columns, so that the small model equals the original with the cut units zeroed"),
     "roofline": Assignment(
         "3 and 13. the roofline, counted (model.py)",
-        "FLOPs per token: 2 per weight of every matmul (q, k, v, o, gate, up, down, the LM head) plus "
-        "attention's QK^T and PV over the context"),
+        "FLOPs per token: 2 per weight of every matmul the model has (q, k, v, o, gate, up, down, the LM "
+        "head; k, v only in the layers that make K/V under CLA; MLA's own projections) plus attention's "
+        "QK^T and PV over the context (MLA: absorbed, over the latent)"),
 }
 
 # Names a test's needs(...) marker may use for a whole path through the code.

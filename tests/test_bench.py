@@ -90,13 +90,14 @@ def results(run):
 def linear_shapes(c):
     """(out, in) of every linear layer of a Llama, the LM head included; with cross-layer attention
     (cla_share S) only the first layer of each S has k and v projections; MLA (kv_lora_rank r): DeepSeek-V2's
-    q (without q_lora_rank), kv_a [r + R, D], kv_b [H (nope + v), r], o [D, H v]."""
+    q (or q_a [q_lora_rank, D] and q_b), kv_a [r + R, D], kv_b [H (nope + v), r], o [D, H v]."""
     kv, H = c.n_kv_heads * c.head_dim, c.n_heads
     shapes = []
     for i in range(c.n_layers):
         if c.kv_lora_rank:
-            shapes += [(H * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.dim),
-                       (c.kv_lora_rank + c.qk_rope_head_dim, c.dim),
+            q = H * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+            shapes += [(q, c.dim)] if c.q_lora_rank is None else [(c.q_lora_rank, c.dim), (q, c.q_lora_rank)]
+            shapes += [(c.kv_lora_rank + c.qk_rope_head_dim, c.dim),
                        (H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank), (c.dim, H * c.v_head_dim)]
         else:
             shapes += [(H * c.head_dim, c.dim)] + [(kv, c.dim), (kv, c.dim)] * (i % c.cla_share == 0)
@@ -106,7 +107,7 @@ def linear_shapes(c):
 
 
 def norm_values(c):
-    return c.n_layers * (2 * c.dim + c.kv_lora_rank) + c.dim        # MLA: the latent's norm too
+    return c.n_layers * (2 * c.dim + c.kv_lora_rank + (c.q_lora_rank or 0)) + c.dim   # MLA: the latent's (and q's)
 
 
 def weight_bytes(c, bytes_per_value):
@@ -123,8 +124,10 @@ def kv_bytes_per_token(c, bytes_per_value, world_size=1):
 
 
 def flops_per_token(c, context):
-    """2 FLOPs per weight of every matmul, plus QK^T and PV (2 H d each) over the context."""
-    return sum(2 * o * i for o, i in linear_shapes(c)) + c.n_layers * 4 * c.n_heads * c.head_dim * context
+    """2 FLOPs per weight of every matmul, plus QK^T and PV (2 H d each) over the context; MLA attends
+    absorbed (the engine's path): H queries of r + R values against [latent ; RoPE key], PV over r."""
+    qk, pv = (c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank) if c.kv_lora_rank else (c.head_dim,) * 2
+    return sum(2 * o * i for o, i in linear_shapes(c)) + c.n_layers * 2 * c.n_heads * (qk + pv) * context
 
 
 QUICK = Scale(gpu=False, quick=True, path="m", quality_path="m")
@@ -156,19 +159,27 @@ def test_meta_and_every_experiment_present(run, results):
     assert results["overhead"]["models"][common.TINY_MODEL] == "random weights, made-up shapes"
 
 
-@pytest.mark.parametrize("shape", ["gqa", "smollm2-135m", "llama-3.1-8b"])
+@pytest.mark.parametrize("shape", ["gqa", "smollm2-135m", "llama-3.1-8b", "cla", "deepseek-mla-tiny",
+                                   "deepseek-v2-lite-attn"])
 @pytest.mark.assignment("roofline")
 def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
     """model.model_flops_per_token against the formula written out here from every
     linear layer's (out, in) and attention's 4 H d per cached token, for
     shapes whose heads, KV heads, FFN and vocabulary all differ (so each term
     is seen; in "gqa" heads x head_dim = 144 is not dim = 96, as in Gemma, so q and o are
-    not d x d), at several context lengths."""
+    not d x d), at several context lengths. The matmuls are the model's own: under
+    cross-layer attention ("cla": 5 layers sharing K/V in groups of 2, the last group uneven)
+    only 3 layers have k and v; MLA has its own projections (with and without q_lora_rank) and
+    attends absorbed. The written-out linears are also the model's: checked against its modules."""
     from helpers import tiny_config
-    from model import ModelConfig
+    from model import ModelConfig, Transformer
     from support.checkpoint import PRESETS
-    cfg = tiny_config(dim=96, n_heads=6, n_kv_heads=2, head_dim=24, ffn_dim=160, vocab_size=1000) \
-        if shape == "gqa" else ModelConfig.from_hf(PRESETS[shape])
+    gqa = dict(dim=96, n_heads=6, n_kv_heads=2, head_dim=24, ffn_dim=160, vocab_size=1000)
+    cfg = tiny_config(**gqa) if shape == "gqa" else \
+        tiny_config(**gqa, n_layers=5, cla_share=2) if shape == "cla" else ModelConfig.from_hf(PRESETS[shape])
+    with torch.device("meta"):     # the written-out weights are the model's (q/k/v stacked; the LM head once)
+        weights = sum(m.weight.numel() for m in Transformer(cfg).modules() if isinstance(m, torch.nn.Linear))
+    assert weights == sum(o * i for o, i in linear_shapes(cfg)), f"{shape}: the test's own linear shapes"
     for context in (0, 1, 37, 4096):
         assert model_flops_per_token(cfg, context) == flops_per_token(cfg, context), \
             f"{shape}, context {context}: {model_flops_per_token(cfg, context)} FLOPs, " \
