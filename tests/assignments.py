@@ -90,14 +90,16 @@ ASSIGNMENTS = {
     "gqa-attention": Assignment(
         "1. the model (model.py): grouped-query attention",
         "causal softmax attention over one sequence, the H query heads grouped over the n_kv K/V heads "
-        "(view q as [N, n_kv, G, d], never copy k or v)"),
+        "(view q as [N, n_kv, G, d], never copy k or v); scores, softmax and P.V in float32, the output in "
+        "q's dtype, the mask made on q's device and applied before the softmax"),
     "bpe": Assignment(
         "2. text in, text out (tokenizer.py): byte-level BPE",
         "the merge loop of one piece: start from single bytes and merge the adjacent pair whose "
         "concatenation has the lowest rank until no pair is in the vocabulary"),
     "kv-cache-bytes": Assignment(
         "4. the KV cache (cache.py): its size",
-        "bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value, times the tokens; "
+        "bytes per token = 2 (K and V) * layers * kv_heads * head_dim * bytes per value (the dtype's bits "
+        "// 8: an int), times the tokens; "
         "and how many whole blocks of block_size tokens a byte budget holds"),
     "block-allocation": Assignment(
         "5. paged attention (cache.py): blocks, ref counts, the free list",
@@ -114,7 +116,8 @@ ASSIGNMENTS = {
     "paged-attention": Assignment(
         "5. paged attention (cache.py): the reference",
         "each sequence's new queries attend, through its block table, to its own cached tokens at positions "
-        "<= their own (query i sits at seq_len - query_len + i)"),
+        "<= their own (query i sits at seq_len - query_len + i); masked before a float32 softmax, the "
+        "output in q's dtype"),
     "decode-attention": Assignment(
         "5. paged attention (kernels.py): a whole step's attention at once",
         "one padded, masked attention for a batch of sequences over their paged KV: one gather through the "
@@ -133,7 +136,8 @@ ASSIGNMENTS = {
         "4. the KV cache (model.py): multi-head latent attention, absorbed",
         "LatentAttention.absorbed: fold each head's W_UK (kv_b_proj's first qk_nope_head_dim rows of the "
         "head) into its query, attend through ctx.attend to ONE KV head [normed latent ; rotated shared key] "
-        "(V: its first r values) at the heads' scale 1/sqrt(nope + R), then apply W_UV to the weighted sum"),
+        "(V: its first r values) at the heads' scale 1/sqrt(nope + R), then apply W_UV (the head's next "
+        "v_head_dim rows) to the weighted sum, in the model's dtype"),
     "stop-strings": Assignment(
         "6. continuous batching (sampler.py): stop strings",
         "Knuth-Morris-Pratt over streamed text with the given failure tables: feed returns (end, length) of "

@@ -184,6 +184,8 @@ def test_shard_model_keeps_each_ranks_slice(quantized):
     biased = RowParallelLinear(lin, 1, 2, None)                               # (comm: unused until forward)
     assert biased.linear.bias is None and biased.bias is not None and torch.equal(biased.bias, whole), \
         "a row shard's bias moves whole to the module (added once, after the all-reduce), none on the slice"
+    bias16 = RowParallelLinear(torch.nn.Linear(8, 4).bfloat16(), 1, 2, None).bias
+    assert bias16.dtype == torch.bfloat16, f"a bf16 layer's bias stays bf16 (got {bias16.dtype}): the sum's dtype"
     assert (a0.n_heads, a0.n_kv_heads) == (3, 1), "each rank's attention holds its share of the heads and KV heads"
     assert (shards[0].config.n_heads, shards[0].config.n_kv_heads, shards[0].config.ffn_dim) == (3, 1, 64), \
         "the shard's config (the KV cache is built from it) gives per-rank heads, KV heads, FFN"

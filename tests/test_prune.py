@@ -66,6 +66,7 @@ def test_cut_is_the_original_with_the_cut_units_zeroed(layers, ffn, groups, bias
     import dataclasses
     m, scores = model_and_scores(bias=bias)
     scores["layers"] = torch.tensor([0.2, 0.9, 0.5])         # a cut takes layer 0: kept layers move down
+    scores["groups"] = torch.tensor([[.9, .1], [.1, .9], [.9, .1]])   # neighbours disagree: old index, not new
     shape = dataclasses.replace(m.config, n_layers=layers, ffn_dim=ffn, n_kv_heads=groups, n_heads=3 * groups)
     small = prune.cut(m, scores, shape)
     ids = torch.randint(0, m.config.vocab_size, (20,), generator=torch.Generator().manual_seed(1))

@@ -583,6 +583,12 @@ def test_awq_search_finds_the_best_alpha_of_the_grid():
             assert alpha > 0 and best[0] < 0.8 * errs[0.0], f"case {seed}: AWQ should beat round-to-nearest"
         if kind in ("aligned", "flat"):
             assert best[1] == 0.0 and alpha == 0.0, "here round-to-nearest (alpha 0) is the grid's (first) best"
+    # a bf16 model's calibration rows and weights: the search runs in float32 all the same
+    x, w = (t.bfloat16() for t in _awq_case(0, "outliers"))
+    s, alpha = awq_search(x, w, 32)
+    best = min(_awq_reference(x.float(), w.float(), 32), key=lambda e: e[0])
+    assert s.dtype == torch.float32 and alpha == best[1], \
+        f"bf16 inputs: s {s.dtype}, alpha {alpha}; expected float32 and {best[1]} (upcast x and W first)"
 
 
 @pytest.mark.assignment("awq")
