@@ -160,7 +160,7 @@ def test_meta_and_every_experiment_present(run, results):
 
 
 @pytest.mark.parametrize("shape", ["gqa", "smollm2-135m", "llama-3.1-8b", "cla", "deepseek-mla-tiny",
-                                   "deepseek-v2-lite-attn"])
+                                   "deepseek-v2-lite-attn", "mla-uneven"])
 @pytest.mark.assignment("roofline")
 def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
     """model.model_flops_per_token against the formula written out here from every
@@ -169,14 +169,17 @@ def test_flops_per_token_equals_the_sum_over_the_matmuls(shape):
     is seen; in "gqa" heads x head_dim = 144 is not dim = 96, as in Gemma, so q and o are
     not d x d), at several context lengths. The matmuls are the model's own: under
     cross-layer attention ("cla": 5 layers sharing K/V in groups of 2, the last group uneven)
-    only 3 layers have k and v; MLA has its own projections (with and without q_lora_rank) and
-    attends absorbed. The written-out linears are also the model's: checked against its modules."""
+    only 3 layers have k and v; MLA has its own projections (with and without q_lora_rank; in
+    "mla-uneven" keys' no-RoPE heads of 16 and values of 24) and attends absorbed. The written-out
+    linears are also the model's: checked against its modules."""
     from helpers import tiny_config
     from model import ModelConfig, Transformer
     from support.checkpoint import PRESETS
     gqa = dict(dim=96, n_heads=6, n_kv_heads=2, head_dim=24, ffn_dim=160, vocab_size=1000)
     cfg = tiny_config(**gqa) if shape == "gqa" else \
-        tiny_config(**gqa, n_layers=5, cla_share=2) if shape == "cla" else ModelConfig.from_hf(PRESETS[shape])
+        tiny_config(**gqa, n_layers=5, cla_share=2) if shape == "cla" else \
+        ModelConfig.from_hf({**PRESETS["deepseek-mla-tiny"], "v_head_dim": 24}) if shape == "mla-uneven" else \
+        ModelConfig.from_hf(PRESETS[shape])
     with torch.device("meta"):     # the written-out weights are the model's (q/k/v stacked; the LM head once)
         weights = sum(m.weight.numel() for m in Transformer(cfg).modules() if isinstance(m, torch.nn.Linear))
     assert weights == sum(o * i for o, i in linear_shapes(cfg)), f"{shape}: the test's own linear shapes"

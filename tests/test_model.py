@@ -160,8 +160,9 @@ def test_llama3_rope_scaling_frequencies(d, theta, factor, lo, hi, old_ctx):
     cfg = tiny_config(head_dim=d, rope_theta=theta,
                       rope_scaling={"factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
                                     "original_max_position_embeddings": old_ctx})
-    got = rope_frequencies(cfg).double()
-    ref = llama3_scaled_reference(d, theta, factor, lo, hi, old_ctx)
+    got = rope_frequencies(cfg)
+    assert got.dtype == torch.float32, f"inverse frequencies in float32 (the RoPE buffer's dtype), got {got.dtype}"
+    got, ref = got.double(), llama3_scaled_reference(d, theta, factor, lo, hi, old_ctx)
     wavelen = 2 * math.pi * theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     mid = (wavelen > old_ctx / hi) & (wavelen < old_ctx / lo)
     assert mid.sum() >= 2, "the test needs frequencies in the blended band"

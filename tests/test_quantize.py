@@ -107,6 +107,11 @@ def test_int8_linear_equals_linear_on_dequantized_weight():
     yb = ql(x.bfloat16())
     assert yb.dtype == torch.bfloat16, "a bf16 input gives a bf16 output"
     torch.testing.assert_close(yb.float(), ref, atol=0.05, rtol=0.02)
+    # float16 takes the plain path (F.linear on the converted weight): float16 in, float16 out
+    ql.bias = ql.bias.half()
+    yh = ql(x.half())
+    assert yh.dtype == torch.float16, f"a float16 input gives a float16 output (got {yh.dtype})"
+    torch.testing.assert_close(yh.float(), ref, atol=0.01, rtol=0.01)
 
 
 @pytest.mark.timeout(600)
@@ -358,6 +363,11 @@ def test_int4_quantizer_and_packing_equal_an_independent_reference():
             continue
         assert ((back - w).abs() <= step / 2 * (1 + 1e-3) + 1e-6).all(), "an error beyond half a step"
         assert (back[1, :32] == 0).all(), "an all-zero group must stay zero"
+    # a bf16 weight (a bf16 model's): its range, scale and levels from its values in float32
+    w16 = int4_weights().bfloat16()
+    (q, scale, zero), (rq, rscale, rzero, _) = quantize_int4(w16, 32), int4_reference(w16, 32)
+    assert torch.equal(scale, rscale) and torch.equal(zero, rzero) and torch.equal(q, rq), \
+        "a bf16 weight: scales, zero points or levels differ: compute the range and scale in float32"
 
 
 @pytest.mark.needs("int4")
