@@ -161,6 +161,29 @@ def test_filtered_probs_against_a_direct_reference():
 
 
 @pytest.mark.assignment("sampler")
+def test_filtered_probs_stays_on_the_logits_device():
+    """Every tensor filtered_probs makes (the rows it filters, the min-p and top-p thresholds,
+    top-k's index) must be made on the logits' device: one made on the CPU (torch.tensor(...)
+    with no device=) fails on CUDA logits, though every CPU test passes. The "meta" device
+    (shapes only, no data) checks it without a GPU: mixing a CPU tensor into a meta computation
+    raises a device mismatch. Each filter alone, then all three in one batch."""
+    V = 50
+    cases = [("min_p", [0, 0, 0], [1.0, 1.0, 1.0], [0.1, 0.0, 0.2]),
+             ("top_k", [5, 0, 7], [1.0, 1.0, 1.0], None),
+             ("top_p", [0, 0, 0], [0.9, 1.0, 0.5], None),
+             ("min_p, top_k and top_p", [5, 0, 3], [0.9, 0.8, 1.0], [0.1, 0.05, 0.0])]
+    for what, top_k, top_p, min_p in cases:
+        logits = torch.empty(3, V, device="meta")
+        try:
+            probs = filtered_probs(logits, torch.ones(3, device="meta"), top_k, top_p, min_p)
+        except (RuntimeError, ValueError, TypeError) as e:     # the device mismatch
+            pytest.fail(f"{what} on device='meta' logits raised {type(e).__name__}: {str(e)[:200]} "
+                        "(a tensor made without device=logits.device?)")
+        assert probs.device.type == "meta" and probs.shape == (3, V), \
+            f"{what}: probabilities must stay on the logits' device, shape [R, V]: got {probs.device}, {tuple(probs.shape)}"
+
+
+@pytest.mark.assignment("sampler")
 def test_draw_is_the_inverse_cdf_of_unnormalized_rows():
     """draw(probs, u): the first token whose cumulative mass exceeds u * total,
     worked out by hand on unnormalized rows (the residuals of speculative
@@ -329,6 +352,46 @@ def test_logit_bias_is_added_before_the_penalties_on_every_verified_row():
     got = sample_tokens(row, [SampleRequest(0, [], SamplingParams(logit_bias={1: 2.0}, repetition_penalty=1.3),
                                             3, 0, [1, 2, 3])])[0][0]
     assert got == [9], "bias first: (1 + 2) / 1.3 = 2.31 < 2.5 (the penalty first would give 1 / 1.3 + 2 = 2.77)"
+
+
+@pytest.mark.assignment("sampler")
+def test_logit_bias_stays_with_its_own_request_in_a_batch():
+    """A logit_bias belongs to ONE request: in a batch of penalized requests (penalize handles
+    them together, one [S, K+1, V] tensor), request s's bias moves request s's rows only, never a
+    batch-mate's (x[:, ...] for x[s, ...] adds {7: 100} to every row: each batch-mate then picks 7).
+    Each request's greedy tokens against an independent reference: its own bias added by hand,
+    then reference_penalties, request by request; batch-mates with no bias, one with a bias of
+    its own, one with drafts to verify."""
+    torch.manual_seed(11)
+    V, prompt, output = 40, [1, 2, 3], [4, 5]
+    specs = [dict(logit_bias={7: 100.0}),                           # forces 7 on its own rows only
+             dict(presence_penalty=0.5),                            # penalized, no bias of its own
+             dict(repetition_penalty=1.3, logit_bias={3: -100.0, 11: 6.0}),
+             dict(frequency_penalty=0.7)]
+    for trial in range(6):
+        logits = torch.randn(8, V) * 2
+        logits[:, 7] = logits.min() - 1                             # 7 never wins on merit
+        drafts = [] if trial % 2 else [int(logits[3].argmax())]     # request 3's raw argmax; odd: none
+        reqs, want, row = [], [], 0
+        for s, spec in enumerate(specs):
+            p = SamplingParams(**spec)
+            d = drafts if s == 3 else []
+            reqs.append(SampleRequest(row, d, p, 3, len(output), prompt + output))
+            rows = logits[row:row + len(d) + 1].clone()
+            for t, b in (p.logit_bias or {}).items():
+                rows[:, t] += b
+            toks = []                                               # greedy verification, by hand
+            for j in range(len(d) + 1):
+                toks.append(int(reference_penalties(rows[j], prompt, output + toks, p).argmax()))
+                if j == len(d) or toks[-1] != d[j]:
+                    break
+            want.append(toks)
+            row += len(d) + 1
+        got = [t for t, _, _ in sample_tokens(logits[:row], reqs)]
+        assert got[0] == [7], f"trial {trial}: logit_bias {{7: 100}} must force 7 for its own request: got {got[0]}"
+        for s in range(1, len(specs)):
+            assert got[s] == want[s], (f"trial {trial}, request {s} ({specs[s]}): got {got[s]}, its own logits "
+                                       f"and penalties give {want[s]} (another request's logit_bias leaked into its rows?)")
 
 
 @pytest.mark.needs("sampler")

@@ -14,6 +14,8 @@ prompt logprobs, its options) are tests/test_engine.py's; the sampler and stop
 strings are tests/test_sampler.py's.
 The reference for exactness is model.generate: the dense path with no cache.
 """
+import time
+
 import pytest
 
 from cache import BlockManager
@@ -415,3 +417,39 @@ def test_preempted_sequence_goes_back_to_the_front_of_the_queue(real_tokenizer):
     assert [(i.seq, i.start, i.count) for i in second] == [(seqs[0], 4, 1), (seqs[1], 0, 4)], \
         "the preempted sequence must go back to the FRONT of the waiting queue, before later arrivals"
     assert list(sched.waiting) == [seqs[2], seqs[3]], "the later arrivals still wait behind the preempted one, in order"
+
+
+@pytest.mark.assignment("scheduler-step")
+@pytest.mark.needs("block-allocation", "prefix-caching")
+def test_a_failed_admission_records_no_metrics(real_tokenizer):
+    """A request's metrics say when it was FIRST ADMITTED (first_scheduled_time: the end of its
+    queueing, TTFT's first part) and how many prompt tokens the prefix cache gave it then
+    (cached_tokens). An attempt that finds no room in the pool is not an admission: the metrics are
+    recorded after the fit check, or a request that waits looks scheduled, and keeps the stale
+    cached_tokens of that attempt. A pool of 2 blocks of 4: prompt a (8 tokens) fills it, prompt b
+    (5 tokens, its first block a's) does not fit and waits, its metrics untouched; a's blocks
+    enter the prefix cache and a finishes; b is then admitted with a 4-token hit, and only then
+    are its metrics recorded: that step's time, 4 cached tokens."""
+    bm = BlockManager(2, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_seqs(real_tokenizer, [8, 5])
+    b.token_ids[:] = [1, 2, 3, 4, 20]                       # a's first block, then a token of its own
+    sched.waiting.extend([a, b])
+    batch = sched.schedule()
+    assert [(i.seq, i.start, i.count) for i in batch] == [(a, 0, 8)] and list(sched.waiting) == [b], \
+        "a fills the pool; b does not fit and waits"
+    assert b.request.metrics.first_scheduled_time is None and b.request.metrics.cached_tokens == 0, \
+        (f"b was never admitted, yet its metrics say first_scheduled_time={b.request.metrics.first_scheduled_time}, "
+         f"cached_tokens={b.request.metrics.cached_tokens}: metrics recorded before the fit check?")
+    assert a.request.metrics.first_scheduled_time is not None, "an admitted request records first_scheduled_time"
+    fake_step(sched, batch)
+    bm.cache_full_blocks(a.seq_id, a.token_ids, 8)          # what the engine does after the step
+    sched.finish(a)                                         # its blocks are free, still cached
+    before = time.perf_counter()
+    batch = sched.schedule()
+    assert [(i.seq, i.start, i.count) for i in batch] == [(b, 4, 1)], \
+        "b is admitted with a's first block from the prefix cache: 1 token to compute"
+    assert b.request.metrics.first_scheduled_time is not None and b.request.metrics.first_scheduled_time >= before, \
+        "first_scheduled_time is the time of the real admission, not of the attempt that found no room"
+    assert b.request.metrics.cached_tokens == 4, \
+        f"cached_tokens {b.request.metrics.cached_tokens}: the admission's prefix hit is 4 tokens (a stale attempt's 0?)"
