@@ -173,6 +173,120 @@ def test_attentions_read_mla_latents_at_their_scale():
                                                             f"the given scale): {m}")
 
 
+def _float64_attention(q, cache, layer, bt, seq_lens, query_lens=None, window=None):
+    """The reference for the tests below, written here and independent of kernels.py: each
+    sequence's keys read straight from the pool through its table (cache.k[layer][table]),
+    query i of b at position n_b - m_b + i (a padded query at n_b - 1), a boolean causal (and
+    band) mask applied with -inf, softmax(q k^T / sqrt(d)) v in float64. q [B, Q, H, d]."""
+    B, Q, H, d = q.shape
+    k, v = (t[layer][bt].flatten(1, 2).double() for t in (cache.k, cache.v))       # [B, T, n_kv, d]
+    k, v = (t.repeat_interleave(H // t.shape[2], dim=2) for t in (k, v))           # query head h: KV h // G
+    keys, out = torch.arange(k.shape[1])[None, :], torch.empty(B, Q, H, v.shape[-1], dtype=torch.float64)
+    for b, n in enumerate(seq_lens):
+        m = Q if query_lens is None else query_lens[b]
+        pos = torch.arange(n - m, n - m + Q).clamp(max=n - 1)[:, None]            # [Q, 1]
+        seen = (keys <= pos) & ((keys > pos - window) if window else True)         # [Q, T]
+        scores = torch.einsum("qhd,thd->hqt", q[b].double(), k[b]) / d ** 0.5
+        out[b] = torch.einsum("hqt,thd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v[b])
+    return out
+
+
+@pytest.mark.parametrize("W", [None, 3])
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("kv-cache-bytes")
+def test_batched_attention_makes_its_masks_on_the_inputs_device(W, monkeypatch):
+    """Every tensor batched_paged_attention makes itself (the query offsets, the causal mask
+    from key positions, the window band) must be made on q's device: one made on the CPU
+    (torch.arange(T) without device=) meets CUDA inputs and raises, a failure no CPU test
+    sees. "meta" tensors stand in for CUDA here (shapes and dtypes, no data): the cache, q,
+    tables and lengths all on "meta", with and without query_lens, without and with a window,
+    on the CPU's fused path and on the CUDA path (kernels.on_cuda forced: grouped_attention).
+    The output must come back on "meta", [B, Q, H, d], in q's dtype."""
+    import kernels
+    cfg = tiny_config(n_heads=4, n_kv_heads=2)
+    cache = KVCache(cfg, 8, 4, "meta", torch.bfloat16)
+    cache.sliding_window = W
+    q = torch.empty(2, 3, 4, cfg.head_dim, device="meta", dtype=torch.bfloat16)
+    bt = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    seq_lens = torch.tensor([7, 9], device="meta")
+    for cuda in (False, True):
+        monkeypatch.setattr(kernels, "on_cuda", lambda device, cuda=cuda: cuda)
+        for query_lens in (None, torch.tensor([3, 1], device="meta")):
+            case = f"window {W}, query_lens {'given' if query_lens is not None else 'None'}, " \
+                   f"{'CUDA' if cuda else 'CPU'} path"
+            try:
+                out = batched_paged_attention(q, cache, 0, bt, seq_lens, query_lens)
+            except RuntimeError as e:
+                raise AssertionError(f"{case}: inputs on a device other than the CPU raise (a tensor made on "
+                                     f"the CPU, torch.arange without device=?): {e}") from e
+            assert out.device.type == "meta", f"{case}: the output is on {out.device}, not the inputs' device"
+            assert out.shape == (2, 3, 4, cfg.head_dim) and out.dtype == torch.bfloat16, \
+                f"{case}: output {tuple(out.shape)} {out.dtype}, expected (2, 3, 4, {cfg.head_dim}) bfloat16"
+
+
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("kv-cache-bytes")
+def test_batched_attention_keeps_bf16_in_bf16(monkeypatch):
+    """A bf16 cache and bf16 queries give a bf16 output (the next layer's matmuls, the
+    residual stream and CUDA graphs' static buffers are bf16; a float32 result doubles the
+    bytes and breaks the caller's dtype), close to the float64 reference computed from the
+    same bf16 values. Ragged queries (query_lens) and GQA 3, on the fused path and the CUDA
+    path. Tolerance atol = rtol = 2**-8: rounding the output to bf16 alone costs up to 2**-9
+    |ref| (half an ulp), and the rest is SDPA's own bf16 rounding inside.
+    Measured, this seed: worst |out - ref| 0.0042 (53% of the allowance), of which the output's
+    own rounding explains most (the float32 result rounded to bf16 is 0.0039 off); over 50
+    seeds the worst was 0.0077, at most 0.0025 beyond 2**-8 |ref|."""
+    import kernels
+    torch.manual_seed(0)
+    cfg = tiny_config(n_heads=6, n_kv_heads=2)
+    cache = KVCache(cfg, 32, 4, "cpu", torch.bfloat16)
+    cache.k.copy_(torch.randn(cache.k.shape))
+    cache.v.copy_(torch.randn(cache.v.shape))
+    seq_lens, query_lens = [5, 13, 20], [3, 1, 2]
+    blocks = torch.randperm(32).tolist()
+    bt = torch.tensor([blocks[i * 6:(i + 1) * 6] for i in range(3)])            # 24 slots: padded tables
+    q = torch.randn(3, 3, 6, cfg.head_dim).bfloat16()
+    ref = _float64_attention(q, cache, 0, bt, seq_lens, query_lens)
+    for cuda in (False, True):
+        monkeypatch.setattr(kernels, "on_cuda", lambda device, cuda=cuda: cuda)
+        out = batched_paged_attention(q, cache, 0, bt, torch.tensor(seq_lens), torch.tensor(query_lens))
+        path = "the CUDA path" if cuda else "the fused path"
+        assert out.dtype == torch.bfloat16, f"{path}: bf16 in, {out.dtype} out: attention must return q's dtype"
+        torch.testing.assert_close(out.double(), ref, atol=2 ** -8, rtol=2 ** -8,
+                                   msg=lambda m, path=path: f"{path}: bf16 attention far from the float64 "
+                                                            f"reference: {m}")
+
+
+@pytest.mark.parametrize("W", [None, 2])
+@pytest.mark.assignment("decode-attention")
+@pytest.mark.needs("kv-cache-bytes")
+def test_batched_attention_masks_keys_exactly(W):
+    """A masked key weighs exactly 0, however large its score: the mask must be boolean (or
+    -inf), not an additive -10000 (BERT's), which a score 1e4 above the rest leaks through.
+    One sequence of 6 tokens, its 2 new queries at positions 4 and 5, q = 10 everywhere; key 5
+    (the future of query 4), key 7 (past the sequence, in its last block) and a padding block
+    of the table are 1000 everywhere: scores 10 * 1000 * 16 / 4 = 40,000. With a window of 2,
+    key 0 (outside every query's band) is 1000 too. Against the float64 reference written
+    here (boolean mask, -inf), atol = rtol = 1e-5: measured 3.2e-7 (2e-16 with the window);
+    an additive -1e4 mask is off by 1.6 (1.9)."""
+    torch.manual_seed(1)
+    cfg = tiny_config(n_heads=2, n_kv_heads=1)
+    cache = KVCache(cfg, 4, 4, "cpu", torch.float32)
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.sliding_window = W
+    bt = torch.tensor([[2, 0, 1]])                        # positions 0-3: block 2, 4-7: block 0; block 1 pads
+    for block, offset in [(0, 1), (0, 3)] + [(1, i) for i in range(4)] + ([(2, 0)] if W else []):
+        cache.k[0, block, offset] = 1000.0                # keys 5, 7, the padding block (and key 0)
+    q = torch.full((1, 2, 2, cfg.head_dim), 10.0)
+    ref = _float64_attention(q, cache, 0, bt, [6], window=W)
+    for query_lens in (None, torch.tensor([2])):
+        out = batched_paged_attention(q, cache, 0, bt, torch.tensor([6]), query_lens)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"window {W}: a masked key with a score 40,000 above the "
+                                                 f"rest changed the output (an additive mask, not -inf?): {m}")
+
+
 @pytest.mark.parametrize("block_size,n_heads,n_kv,Q", ATTENTION_CASES)
 @pytest.mark.assignment("int8")
 @pytest.mark.needs("decode-attention", "paged-attention", "kv-cache-bytes")

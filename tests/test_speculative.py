@@ -114,6 +114,77 @@ def test_batched_never_accepts_padding_and_keeps_q_when_nothing_is_left_to_resam
 
 
 @pytest.mark.assignment("rejection-sampling")
+def test_batched_makes_its_masks_on_the_inputs_device():
+    """The batched rule runs where its inputs are (on CUDA in the engine): a tensor it makes
+    itself (the draft-count mask, torch.arange(K) without device=) on the CPU meets CUDA
+    inputs and raises, a failure no CPU test sees. "meta" tensors stand in for CUDA (shapes
+    and dtypes, no data): with draft probabilities and with None (a deterministic drafter),
+    the results must come back on "meta", num_accepted [B] and final [B, V]."""
+    B, K, V = 2, 3, 5
+    target, draft = torch.empty(B, K + 1, V, device="meta"), torch.empty(B, K, V, device="meta")
+    tokens = torch.zeros(B, K, dtype=torch.long, device="meta")
+    num, u = torch.zeros(B, dtype=torch.long, device="meta"), torch.empty(B, K, dtype=torch.float64, device="meta")
+    for probs in (draft, None):
+        case = "draft_probs given" if probs is not None else "draft_probs None"
+        try:
+            n_acc, final = rejection_sample_batched(target, probs, tokens, num, u)
+        except RuntimeError as e:
+            raise AssertionError(f"{case}: inputs on a device other than the CPU raise (a tensor made on the CPU, "
+                                 f"torch.arange without device=?): {e}") from e
+        assert n_acc.device.type == final.device.type == "meta", \
+            f"{case}: results on {n_acc.device}, {final.device}, not the inputs' device"
+        assert n_acc.shape == (B,) and final.shape == (B, V), \
+            f"{case}: shapes {tuple(n_acc.shape)}, {tuple(final.shape)}, expected ({B},) and ({B}, {V})"
+
+
+@pytest.mark.assignment("rejection-sampling")
+def test_batched_compares_the_uniforms_at_their_own_precision():
+    """Accept iff u < q / p, u as given (the sampler's uniforms are float64): rounded to q's
+    float32 first, a u just below q / p rounds up to it and rejects a draft it must accept.
+    Row 0: q = p = (0.5, 0.5), u = 1 - 2**-30, a valid uniform (< 1 = q / p): always accepted
+    (float32 rounds it to 1.0, which is not < 1). Row 1: q = (0.25, 0.75), p = (0.5, 0.5),
+    draft 0: q / p = 0.5 exactly, u = 0.5 - 2**-40 < 0.5 accepts (float32: 0.5, rejects)."""
+    target = torch.tensor([[[0.5, 0.5], [0.25, 0.75]],
+                           [[0.25, 0.75], [0.6, 0.4]]])                # [B=2, K+1=2, V=2]
+    draft = torch.tensor([[[0.5, 0.5]], [[0.5, 0.5]]])
+    u = torch.tensor([[1 - 2 ** -30], [0.5 - 2 ** -40]], dtype=torch.float64)
+    n_acc, final = rejection_sample_batched(target, draft, torch.tensor([[1], [0]]), torch.tensor([1, 1]), u)
+    assert n_acc.tolist() == [1, 1], \
+        f"accepted {n_acc.tolist()}, expected [1, 1]: u < q / p in float64 accepts (u rounded to float32?)"
+    torch.testing.assert_close(final, target[:, 1], msg="both drafts accepted: the extra token is the bonus row q")
+
+
+@pytest.mark.assignment("rejection-sampling")
+def test_batched_keeps_q_per_row_when_a_row_has_no_residual():
+    """The no-residual fallback (max(q - p, 0) = 0 everywhere: a rejection of probability 0,
+    here forced by u = 1 where q = p) is decided row by row: a batch where another row HAS a
+    residual must not leave this row an all-zero distribution to draw from (nor hand a row
+    with a residual its q). Rows, in order: q = p = (0.5, 0.5), u = 1: rejected, no residual,
+    the extra token from q = (0.5, 0.5); q = (0.9, 0.1), p = (0.2, 0.8), draft 1, u = 0.99 >
+    q / p = 0.125: rejected, residual (0.7, 0); again q = p, no residual. The same with
+    draft_probs None (one-hot p): q one-hot at the draft has no residual, q = (0.3, 0.7) with
+    draft 1 rejected has (0.3, 0)."""
+    target = torch.tensor([[[0.5, 0.5], [0.3, 0.7]],
+                           [[0.9, 0.1], [0.3, 0.7]],
+                           [[0.5, 0.5], [0.1, 0.9]]])                  # [B=3, K+1=2, V=2]
+    draft = torch.tensor([[[0.5, 0.5]], [[0.2, 0.8]], [[0.5, 0.5]]])
+    u = torch.tensor([[1.0], [0.99], [1.0]], dtype=torch.float64)
+    tokens, num = torch.tensor([[1], [1], [0]]), torch.tensor([1, 1, 1])
+    n_acc, final = rejection_sample_batched(target, draft, tokens, num, u)
+    assert n_acc.tolist() == [0, 0, 0], f"accepted {n_acc.tolist()}: u = 1 and u > q / p reject"
+    torch.testing.assert_close(final, torch.tensor([[0.5, 0.5], [0.7, 0.0], [0.5, 0.5]]),
+                               msg=lambda m: f"the extra token's distribution, per row (q where the residual "
+                                             f"is empty, max(q - p, 0) where it is not): {m}")
+    target = torch.tensor([[[0.0, 1.0], [0.3, 0.7]],
+                           [[0.3, 0.7], [0.5, 0.5]]])
+    n_acc, final = rejection_sample_batched(target, None, torch.tensor([[1], [1]]), torch.tensor([1, 1]),
+                                            torch.tensor([[1.0], [0.99]], dtype=torch.float64))
+    assert n_acc.tolist() == [0, 0], f"draft_probs None: accepted {n_acc.tolist()}: u = 1 and u > q rejects"
+    torch.testing.assert_close(final, torch.tensor([[0.0, 1.0], [0.3, 0.0]]),
+                               msg=lambda m: f"draft_probs None: the extra token's distribution, per row: {m}")
+
+
+@pytest.mark.assignment("rejection-sampling")
 def test_deterministic_drafts_match_one_hot_draft_probs():
     """draft_probs=None (an n-gram drafter) must equal passing the one-hots."""
     g = torch.Generator().manual_seed(5)
