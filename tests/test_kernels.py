@@ -216,6 +216,8 @@ def test_batched_attention_makes_its_masks_on_the_inputs_device(W, monkeypatch):
                    f"{'CUDA' if cuda else 'CPU'} path"
             try:
                 out = batched_paged_attention(q, cache, 0, bt, seq_lens, query_lens)
+            except NotImplementedError:        # an unfinished assignment says so itself
+                raise
             except RuntimeError as e:
                 raise AssertionError(f"{case}: inputs on a device other than the CPU raise (a tensor made on "
                                      f"the CPU, torch.arange without device=?): {e}") from e

@@ -257,6 +257,8 @@ def test_dense_attention_builds_its_mask_on_the_inputs_device(window, monkeypatc
     q, k, v = torch.empty(7, 6, 16, **meta), torch.empty(7, 2, 16, **meta), torch.empty(7, 2, 8, **meta)
     try:
         got = dense_causal_attention(q, k, v, window)
+    except NotImplementedError:        # an unfinished assignment says so itself
+        raise
     except RuntimeError as e:
         pytest.fail(f"window {window}: attention on meta-device inputs failed ({e}): "
                     "build the mask on q.device (device=q.device), not on the CPU")

@@ -176,6 +176,8 @@ def test_filtered_probs_stays_on_the_logits_device():
         logits = torch.empty(3, V, device="meta")
         try:
             probs = filtered_probs(logits, torch.ones(3, device="meta"), top_k, top_p, min_p)
+        except NotImplementedError:        # an unfinished assignment says so itself
+            raise
         except (RuntimeError, ValueError, TypeError) as e:     # the device mismatch
             pytest.fail(f"{what} on device='meta' logits raised {type(e).__name__}: {str(e)[:200]} "
                         "(a tensor made without device=logits.device?)")

@@ -128,6 +128,8 @@ def test_batched_makes_its_masks_on_the_inputs_device():
         case = "draft_probs given" if probs is not None else "draft_probs None"
         try:
             n_acc, final = rejection_sample_batched(target, probs, tokens, num, u)
+        except NotImplementedError:        # an unfinished assignment says so itself
+            raise
         except RuntimeError as e:
             raise AssertionError(f"{case}: inputs on a device other than the CPU raise (a tensor made on the CPU, "
                                  f"torch.arange without device=?): {e}") from e
